@@ -1,0 +1,16 @@
+"""One engine replica: model runner, slot K/V cache, batching schedulers, sampler.
+
+The engine and its schedulers import no Ray; torch is loaded only when a real model is used.
+"""
+
+from replica.clock import FakeClock, WallClock
+from replica.engine import Completion, Engine, EngineConfig, RequestOutput, StepRecord, StepResult
+from replica.errors import ConfigError, InvalidRequestError, InvariantViolation, RequestTooLongError
+from replica.policies import POLICIES, make_scheduler
+from replica.request import FinishReason, Request, SamplingParams
+
+__all__ = [
+    "POLICIES", "Completion", "ConfigError", "Engine", "EngineConfig", "FakeClock", "FinishReason",
+    "InvalidRequestError", "InvariantViolation", "Request", "RequestOutput", "RequestTooLongError",
+    "SamplingParams", "StepRecord", "StepResult", "WallClock", "make_scheduler",
+]

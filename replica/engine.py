@@ -1,0 +1,274 @@
+"""One engine replica: a batching scheduler, a model runner, and the loop that joins them.
+
+`add_request` validates and queues, `step()` runs one scheduled forward pass and reports what
+happened (new tokens, finished requests, a per-step record), `abort` cancels, and
+`generate()` is the blocking offline call. Every request ends with exactly one final
+`RequestOutput` (finished=True) carrying its reason. No Ray here: the actor wraps this.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from replica.clock import Clock, WallClock
+from replica.errors import InvalidRequestError, InvariantViolation, RequestTooLongError
+from replica.model_loader import DEFAULT_MODEL
+from replica.policies import make_scheduler
+from replica.request import FinishReason, Request, SamplingParams
+from replica.scheduler import SchedulerConfig, SchedulerOutput
+
+
+class EngineConfig(SchedulerConfig):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = Field(DEFAULT_MODEL, description="built-in name or a local Hugging Face directory")
+    policy: str = Field("continuous", description="batching policy (see replica.policies.POLICIES)")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: str = Field("auto", description='"auto" (cuda when present), "cpu" or "cuda"')
+    seed: int = 0
+
+
+class Runner(Protocol):
+    """What the engine needs from a model: the real ModelRunner or a fake one."""
+
+    tokenizer: Any  # None for fakes: prompts must then be token ids
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: set[int]
+
+    def execute(self, out: SchedulerOutput) -> list[int]: ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+@dataclass
+class RequestOutput:
+    """What one step did to one request: new tokens, and whether it ended (and why)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    time: float
+    error: str | None = None
+
+
+@dataclass
+class StepRecord:
+    step: int
+    start: float
+    duration: float
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    live_slots: int
+    useful_rows: int  # rows of unfinished requests
+    computed_rows: int  # useful rows + padding rows of finished requests still in a static batch
+    num_preemptions: int
+    queue_depth: int
+
+
+@dataclass
+class StepResult:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    record: StepRecord | None = None  # None when nothing could run
+
+
+@dataclass
+class Completion:
+    """A finished request, as `generate()` returns it."""
+
+    request_id: str
+    prompt: str | list[int]
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    arrival_time: float
+    token_times: list[float]
+    num_preemptions: int
+    error: str | None = None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, runner: Runner | None = None, clock: Clock | None = None):
+        self.config = config or EngineConfig()
+        self.clock = clock or WallClock()
+        if runner is None:
+            from replica.model_runner import ModelRunner  # torch only when a real model is asked for
+
+            c = self.config
+            runner = ModelRunner(c.model, c.num_slots, c.max_seq_len, c.dtype, c.device, c.seed)
+        if self.config.max_seq_len > runner.max_model_len:
+            self.config = self.config.model_copy(update={"max_seq_len": runner.max_model_len})
+        self.runner = runner
+        self.tokenizer = runner.tokenizer
+        self.scheduler = make_scheduler(self.config.policy, self.config, self.clock)
+        self.requests: dict[str, Request] = {}  # unfinished ones
+        self._prompts: dict[str, str | list[int]] = {}
+        self._ids = itertools.count()
+        self._steps = itertools.count()
+
+    # ---- submission --------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | dict | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    oracle_output_len: int | None = None) -> str:
+        """Validate and queue a request; raises InvalidRequestError (naming the field) and
+        queues nothing when any part of it is wrong."""
+        sampling = SamplingParams.parse(params)
+        prompt_ids = self._tokenize(prompt)
+        if sampling.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop", "stop strings need a model with a tokenizer")
+        limit = self.scheduler.slots.max_request_tokens
+        if len(prompt_ids) + sampling.max_tokens > limit:
+            field_name = "prompt" if len(prompt_ids) >= limit else "max_tokens"
+            raise RequestTooLongError(
+                field_name,
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) = "
+                f"{len(prompt_ids) + sampling.max_tokens} exceeds this replica's limit of {limit} tokens "
+                f"(max_seq_len {self.scheduler.slots.max_seq_len}, K/V budget {self.scheduler.slots.kv_budget_tokens})",
+            )
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id", f"must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        request = Request(request_id, prompt_ids, sampling,
+                          self.clock.now() if arrival_time is None else arrival_time, oracle_output_len)
+        self.requests[request_id] = request
+        self._prompts[request_id] = prompt
+        self.scheduler.add(request)
+        return request_id
+
+    def _tokenize(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt", "this model has no tokenizer: give token ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
+            if bad:
+                raise InvalidRequestError("prompt", f"token ids must be in [0, {self.runner.vocab_size}), got {bad[:5]}")
+        else:
+            raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidRequestError("prompt", "is empty")
+        return ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request; returns its final event, or None if it is not running here."""
+        request = self.requests.get(request_id)
+        return None if request is None else self._finish(request, FinishReason.ABORT, [], "")
+
+    # ---- the loop ----------------------------------------------------------------------
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> StepResult:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return StepResult()
+        start = self.clock.now()
+        live_slots = self.scheduler.slots.num_used_slots
+        try:
+            tokens = self.runner.execute(out)
+        except Exception as err:  # noqa: BLE001 - the step's requests fail, the replica keeps serving
+            message = f"{type(err).__name__}: {err}"
+            outputs = [self._finish(c.request, FinishReason.ERROR, [], "", message) for c in out.chunks]
+            return StepResult(outputs, self._record(out, start, live_slots))
+        self.scheduler.advance(out)
+        now = self.clock.now()
+        sampling = [c.request for c in out.chunks if c.samples]
+        outputs = [self._append(request, token, now) for request, token in zip(sampling, tokens)]
+        return StepResult(outputs, self._record(out, start, live_slots))
+
+    def _record(self, out: SchedulerOutput, start: float, live_slots: int) -> StepRecord:
+        return StepRecord(
+            step=next(self._steps), start=start, duration=self.clock.now() - start,
+            num_decode_tokens=out.num_decode_tokens, num_prefill_tokens=out.num_prefill_tokens,
+            live_slots=live_slots, useful_rows=len(out.chunks), computed_rows=len(out.chunks) + len(out.held_rows),
+            num_preemptions=len(out.preempted), queue_depth=len(self.scheduler.waiting),
+        )
+
+    def _append(self, request: Request, token: int, now: float) -> RequestOutput:
+        request.output_token_ids.append(token)
+        request.token_times.append(now)
+        p = request.params
+        new_text = self._detokenize_delta(request)
+        reason = None
+        if token in p.stop_token_ids:
+            reason = FinishReason.STOP
+        elif token in self.runner.eos_token_ids and not p.ignore_eos:
+            reason = FinishReason.EOS
+        elif p.stop and (hit := _first_stop(request.text, p.stop, len(request.text) - len(new_text))) is not None:
+            new_text = new_text[: max(0, hit - (len(request.text) - len(new_text)))]
+            request.text = request.text[:hit]
+            reason = FinishReason.STOP
+        elif request.num_output_tokens >= p.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            return self._finish(request, reason, [token], new_text)
+        return RequestOutput(request.request_id, [token], new_text, False, None, now)
+
+    def _detokenize_delta(self, request: Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        # Hold back a trailing partial UTF-8 character until the next token completes it.
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[len(request.text):] if text.startswith(request.text) else text
+        request.text = text
+        return delta
+
+    def _finish(self, request: Request, reason: FinishReason, new_tokens: list[int], new_text: str,
+                error: str | None = None) -> RequestOutput:
+        self.scheduler.finish(request, reason)
+        request.error = error
+        self.runner.release(request.request_id)
+        del self.requests[request.request_id]
+        return RequestOutput(request.request_id, new_tokens, new_text, True, reason, self.clock.now(), error)
+
+    # ---- offline use ---------------------------------------------------------------------
+    def generate(self, prompts: Sequence[str | list[int]], params: SamplingParams | dict | Sequence | None = None,
+                 oracle_output_lens: Sequence[int] | None = None) -> list[Completion]:
+        """Run `prompts` to completion and return them in order. All arrive now and no more
+        will come, so a static batch need not wait to fill."""
+        per_prompt = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise InvalidRequestError("params", f"{len(per_prompt)} params for {len(prompts)} prompts")
+        lens = oracle_output_lens or [None] * len(prompts)
+        requests = []
+        for prompt, p, n in zip(prompts, per_prompt, lens):
+            rid = self.add_request(prompt, p, oracle_output_len=n)
+            requests.append(self.requests[rid])
+        was_done, self.scheduler.arrivals_done = self.scheduler.arrivals_done, True
+        try:
+            while any(not r.is_finished for r in requests):
+                if self.step().record is None:  # nothing may run yet: wait for the policy's timer
+                    wake = self.scheduler.wake_time()
+                    if wake is None:
+                        raise InvariantViolation(f"{self.scheduler.name}: requests wait but nothing can ever run")
+                    self.clock.sleep(max(0.0, wake - self.clock.now()))
+        finally:
+            self.scheduler.arrivals_done = was_done
+        return [self.completion(r) for r in requests]
+
+    def completion(self, request: Request) -> Completion:
+        return Completion(request.request_id, self._prompts.pop(request.request_id, request.prompt_token_ids),
+                          request.prompt_token_ids, list(request.output_token_ids), request.text,
+                          request.finish_reason, request.arrival_time, list(request.token_times),
+                          request.num_preemptions, request.error)
+
+
+def _first_stop(text: str, stops: list[str], new_from: int) -> int | None:
+    """Index where the earliest stop string starts, looking only where new text could complete one."""
+    hits = [i for s in stops if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
+    return min(hits) if hits else None

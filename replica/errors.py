@@ -1,0 +1,25 @@
+"""Typed errors. Each says which field or limit was wrong, what was given, and what is allowed."""
+
+
+class SlotServeError(Exception):
+    """Base of every error slotserve raises on purpose."""
+
+
+class InvalidRequestError(SlotServeError, ValueError):
+    """A request field is missing, of the wrong type, or out of range; `field` names it."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"invalid request: {field}: {message}")
+
+
+class RequestTooLongError(InvalidRequestError):
+    """prompt + max_tokens can never fit in the model's context or the cache; the numbers are in the message."""
+
+
+class InvariantViolation(SlotServeError, RuntimeError):
+    """Scheduler or cache bookkeeping broke a rule that must always hold (a bug, never user error)."""
+
+
+class ConfigError(SlotServeError, ValueError):
+    """An engine or model configuration value is invalid or names something unknown."""

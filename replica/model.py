@@ -1,0 +1,164 @@
+"""One decoder-only transformer for the LLaMA, Qwen2 and GPT-2 families, written for serving:
+it runs a flat batch of tokens from many sequences at once (decode tokens and prefill chunks
+at different positions) and reads/writes K/V in the slot cache in place.
+
+Weights are taken from a Hugging Face model and re-laid out once: Q, K and V fused into one
+matrix, gate and up fused into one, so each layer makes few, large matrix products.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from replica.attention import AttentionMetadata, slot_attention
+from replica.kv_cache import SlotKVCache
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    family: str  # "llama" (also Qwen2) or "gpt2"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float
+    max_positions: int
+    rope_theta: float = 10000.0
+
+    @property
+    def num_params_per_token(self) -> int:
+        """Weights one token multiplies through (matrix products only; 2 FLOPs each)."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
+        mlp = (3 if self.family == "llama" else 2) * h * self.intermediate_size
+        return self.num_layers * (attn + mlp) + self.vocab_size * h
+
+    @classmethod
+    def from_hf_config(cls, config) -> "ModelShape":
+        if config.model_type == "gpt2":
+            return cls("gpt2", config.vocab_size, config.n_embd, config.n_layer, config.n_head, config.n_head,
+                       config.n_embd // config.n_head, config.n_inner or 4 * config.n_embd,
+                       config.layer_norm_epsilon, config.n_positions)
+        rope = getattr(config, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls("llama", config.vocab_size, config.hidden_size, config.num_hidden_layers,
+                   config.num_attention_heads, config.num_key_value_heads, head_dim, config.intermediate_size,
+                   config.rms_norm_eps, config.max_position_embeddings, theta)
+
+
+class Decoder:
+    """Weights as a flat dict of tensors (no nn.Module: nothing here trains)."""
+
+    def __init__(self, shape: ModelShape, state: dict[str, torch.Tensor]):
+        self.shape = shape
+        self.w = state
+        self.dtype = state["embed"].dtype
+        if shape.family == "llama":
+            device = state["embed"].device
+            inv_freq = 1.0 / shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim)
+            freqs = torch.outer(torch.arange(shape.max_positions, dtype=torch.float32), inv_freq)
+            angles = torch.cat([freqs, freqs], dim=-1)
+            self.rope_cos = angles.cos().to(device, self.dtype)
+            self.rope_sin = angles.sin().to(device, self.dtype)
+
+    # ---- building from Hugging Face ------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf_model, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "Decoder":
+        shape = ModelShape.from_hf_config(hf_model.config)
+        sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
+        state = _gpt2_state(sd, shape) if shape.family == "gpt2" else _llama_state(sd, shape)
+        return cls(shape, {k: v.to(device, dtype).contiguous() for k, v in state.items()})
+
+    # ---- the forward pass ---------------------------------------------------------------
+    def _norm(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        if self.shape.family == "gpt2":
+            return F.layer_norm(x, (x.shape[-1],), self.w[prefix + ".weight"], self.w[prefix + ".bias"], self.shape.norm_eps)
+        return F.rms_norm(x, (x.shape[-1],), self.w[prefix + ".weight"], self.shape.norm_eps)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        cache: SlotKVCache,
+        logit_rows: torch.Tensor,  # rows of the flat batch whose next-token logits are wanted
+    ) -> torch.Tensor:
+        s, w = self.shape, self.w
+        x = w["embed"][input_ids]
+        if s.family == "gpt2":
+            x = x + w["pos_embed"][positions]
+        num_q, num_kv, d = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.head_dim
+        for i in range(s.num_layers):
+            p = f"layers.{i}"
+            h = self._norm(x, p + ".attn_norm")
+            qkv = F.linear(h, w[p + ".qkv"], w.get(p + ".qkv_bias"))
+            q = qkv[:, :num_q].view(-1, s.num_heads, d)
+            k = qkv[:, num_q : num_q + num_kv].view(-1, s.num_kv_heads, d)
+            v = qkv[:, num_q + num_kv :].view(-1, s.num_kv_heads, d)
+            if s.family == "llama":
+                q, k = self._rope(q, positions), self._rope(k, positions)
+            cache.write(i, meta.slot_ids, positions, k, v)
+            attn = slot_attention(q, cache.k[i], cache.v[i], meta)
+            x = x + F.linear(attn, w[p + ".o"], w.get(p + ".o_bias"))
+            h = self._norm(x, p + ".mlp_norm")
+            if s.family == "gpt2":
+                h = F.gelu(F.linear(h, w[p + ".up"], w[p + ".up_bias"]), approximate="tanh")
+            else:
+                gate, up = F.linear(h, w[p + ".gate_up"]).chunk(2, dim=-1)
+                h = F.silu(gate) * up
+            x = x + F.linear(h, w[p + ".down"], w.get(p + ".down_bias"))
+        x = self._norm(x[logit_rows], "final_norm")
+        return F.linear(x, w["lm_head"]).float()
+
+
+def _llama_state(sd: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+    out = {"embed": sd["model.embed_tokens.weight"], "final_norm.weight": sd["model.norm.weight"]}
+    out["lm_head"] = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+    for i in range(shape.num_layers):
+        src, p = f"model.layers.{i}", f"layers.{i}"
+        attn = [sd[f"{src}.self_attn.{n}_proj.weight"] for n in "qkv"]
+        out[p + ".qkv"] = torch.cat(attn, dim=0)
+        if f"{src}.self_attn.q_proj.bias" in sd:  # Qwen2
+            out[p + ".qkv_bias"] = torch.cat([sd[f"{src}.self_attn.{n}_proj.bias"] for n in "qkv"])
+        out[p + ".o"] = sd[f"{src}.self_attn.o_proj.weight"]
+        out[p + ".gate_up"] = torch.cat([sd[f"{src}.mlp.gate_proj.weight"], sd[f"{src}.mlp.up_proj.weight"]], dim=0)
+        out[p + ".down"] = sd[f"{src}.mlp.down_proj.weight"]
+        out[p + ".attn_norm.weight"] = sd[f"{src}.input_layernorm.weight"]
+        out[p + ".mlp_norm.weight"] = sd[f"{src}.post_attention_layernorm.weight"]
+    return out
+
+
+def _gpt2_state(sd: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+    # GPT-2's Conv1D stores weights as [in, out]; F.linear wants [out, in].
+    out = {
+        "embed": sd["transformer.wte.weight"],
+        "pos_embed": sd["transformer.wpe.weight"],
+        "final_norm.weight": sd["transformer.ln_f.weight"],
+        "final_norm.bias": sd["transformer.ln_f.bias"],
+        "lm_head": sd.get("lm_head.weight", sd["transformer.wte.weight"]),
+    }
+    for i in range(shape.num_layers):
+        src, p = f"transformer.h.{i}", f"layers.{i}"
+        out[p + ".qkv"], out[p + ".qkv_bias"] = sd[f"{src}.attn.c_attn.weight"].t(), sd[f"{src}.attn.c_attn.bias"]
+        out[p + ".o"], out[p + ".o_bias"] = sd[f"{src}.attn.c_proj.weight"].t(), sd[f"{src}.attn.c_proj.bias"]
+        out[p + ".up"], out[p + ".up_bias"] = sd[f"{src}.mlp.c_fc.weight"].t(), sd[f"{src}.mlp.c_fc.bias"]
+        out[p + ".down"], out[p + ".down_bias"] = sd[f"{src}.mlp.c_proj.weight"].t(), sd[f"{src}.mlp.c_proj.bias"]
+        for norm, hf_norm in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+            out[f"{p}.{norm}.weight"] = sd[f"{src}.{hf_norm}.weight"]
+            out[f"{p}.{norm}.bias"] = sd[f"{src}.{hf_norm}.bias"]
+    return out

@@ -1,0 +1,144 @@
+"""What a request is: its validated sampling parameters and the plain object the scheduler
+moves between queues. Like nano-vllm's Sequence, a request's state is read off explicit
+counters (`num_computed_tokens`, `output_token_ids`), never rebuilt from history."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from replica.errors import InvalidRequestError
+
+
+class SamplingParams(BaseModel):
+    """Per-request generation parameters; every request in one batch may differ."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    max_tokens: int = Field(16, gt=0, description="most tokens to generate")
+    temperature: float = Field(0.0, ge=0.0, description="0 means greedy")
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, description="per-request RNG seed for sampling")
+    stop: list[str] = Field(default_factory=list, description="stop strings")
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError(f"must be a finite number, got {value}")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if not isinstance(item, str):
+                    raise ValueError(f"stop entries must be strings, got {type(item).__name__} {item!r}")
+                if item == "":
+                    raise ValueError("stop strings must not be empty")
+            return list(value)
+        raise ValueError(f"must be a string or a list of strings, got {type(value).__name__}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def parse(cls, params: "SamplingParams | dict[str, Any] | None") -> "SamplingParams":
+        """Validate user input, turning pydantic's report into an error naming the field."""
+        if params is None:
+            return cls()
+        if isinstance(params, cls):
+            return params
+        if not isinstance(params, dict):
+            raise InvalidRequestError("params", f"expected a dict or SamplingParams, got {type(params).__name__}")
+        try:
+            return cls(**params)
+        except ValidationError as err:
+            first = err.errors()[0]
+            name = ".".join(str(p) for p in first["loc"]) or "params"
+            raise InvalidRequestError(name, f"{first['msg']} (given {first.get('input')!r})") from None
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended; every request ends with exactly one."""
+
+    EOS = "eos"  # the model's end-of-sequence token
+    STOP = "stop"  # a stop token id or stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # the step that ran it failed
+    REJECTED = "rejected"  # refused at submission (cluster only; the engine raises instead)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    # True output length when the caller knows it (forced-length workloads); only the
+    # `bucketed` oracle policy reads it.
+    oracle_output_len: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    # Tokens (prompt + output) whose K/V are in this request's slot.
+    num_computed_tokens: int = 0
+    slot: int | None = None
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    # Set by the engine: when each output token was made, and the detokenized text so far.
+    token_times: list[float] = field(default_factory=list)
+    text: str = ""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens still to run through the model before the next one can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Only the last sampled token is pending: the request needs one row this step."""
+        return self.num_output_tokens > 0 and self.num_pending_tokens == 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Token ids at positions [start, stop) of prompt + output."""
+        n = self.num_prompt_tokens
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]

@@ -1,0 +1,48 @@
+"""Turns each sequence's next-token logits into a token, with per-request parameters in one
+batch: greedy rows take the argmax; the others get temperature, top-k and top-p applied
+together (vectorised over rows) and draw from their own seeded generator."""
+
+from __future__ import annotations
+
+import torch
+
+from replica.request import Request
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None):
+        self._shared = torch.Generator()  # for requests that give no seed
+        self._shared.manual_seed(seed) if seed is not None else self._shared.seed()
+        self._per_request: dict[str, torch.Generator] = {}
+
+    def _generator(self, request: Request) -> torch.Generator:
+        if request.params.seed is None:
+            return self._shared
+        gen = self._per_request.get(request.request_id)
+        if gen is None:
+            gen = self._per_request[request.request_id] = torch.Generator().manual_seed(request.params.seed)
+        return gen
+
+    def release(self, request_id: str) -> None:
+        self._per_request.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        """logits: [rows, vocab] float32, row i for requests[i]."""
+        tokens = logits.argmax(dim=-1).tolist()
+        rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if not rows:
+            return tokens
+        params = [requests[i].params for i in rows]
+        vocab = logits.shape[-1]
+        scaled = logits[rows].float().cpu() / torch.tensor([[p.temperature] for p in params])
+        ranked, order = scaled.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab)
+        top_k = torch.tensor([[p.top_k or vocab] for p in params])
+        probs = ranked.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # the best token always stays
+        drop = (rank >= top_k) | (mass_before >= torch.tensor([[p.top_p] for p in params]))
+        probs = ranked.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        for j, i in enumerate(rows):
+            pick = torch.multinomial(probs[j], 1, generator=self._generator(requests[i]))
+            tokens[i] = int(order[j, pick])
+        return tokens

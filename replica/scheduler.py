@@ -1,0 +1,215 @@
+"""The continuous-batching scheduler every batching policy is built on.
+
+One step: running requests keep their rows (decodes first, then unfinished prefills), then
+waiting requests are admitted into free slots, all under one token budget shared by decodes
+and prefill chunks (vLLM v1's `max_num_batched_tokens`). The policies in `policies.py` differ
+only in the small decisions below that are marked as hooks. Pure Python: no torch, no Ray, an
+injected clock, so the simulator runs these same objects on virtual time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from replica.clock import Clock
+from replica.errors import InvariantViolation
+from replica.request import FinishReason, Request, RequestStatus
+from replica.slot_table import SlotTable
+
+
+class SchedulerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_slots: int = Field(8, gt=0, description="rows of the K/V cache = most requests running at once")
+    max_seq_len: int = Field(512, gt=1, description="K/V tokens one slot holds")
+    kv_budget_tokens: int | None = Field(None, gt=0, description="K/V tokens for all slots together (default: all full)")
+    token_budget: int = Field(256, gt=0, description="`chunked`: tokens per step, decodes first, then prefill chunks")
+    max_wait: float = Field(0.5, ge=0.0, description="`dynamic`: seconds the oldest waiting request may wait for a full batch")
+
+
+@dataclass
+class ScheduledChunk:
+    """`num_tokens` tokens of `request` at positions [start, start + num_tokens) run this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    is_decode: bool
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the request's last token, so its logits give the next token."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    # Finished requests a static batch still holds: their rows are computed and thrown away.
+    held_rows: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks if c.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks if not c.is_decode)
+
+
+class Scheduler:
+    """Continuous batching with decodes and whole prompts in the same step (the `mixed` policy)."""
+
+    name = "mixed"
+    # Static batching keeps a finished request's row (and slot) until its whole batch is done.
+    holds_finished_rows = False
+
+    def __init__(self, config: SchedulerConfig, clock: Clock):
+        self.config = config
+        self.clock = clock
+        self.slots = SlotTable(config.num_slots, config.max_seq_len, config.kv_budget_tokens)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last is the youngest
+        self.held: list[Request] = []
+        self.arrivals_done = False
+        self.num_preemptions = 0
+
+    # ---- hooks the policies override -------------------------------------------------
+    def _admission_open(self, now: float) -> bool:
+        """May waiting requests take free slots now?"""
+        return True
+
+    def _token_budget(self) -> float:
+        """Tokens one step may run, decodes and prefill chunks together."""
+        return math.inf
+
+    def _compose(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """Which of the planned rows run together in this step."""
+        return chunks
+
+    def _admission_order(self) -> Iterable[Request]:
+        return list(self.waiting)
+
+    def wake_time(self) -> float | None:
+        """When admission may open by itself with nothing else happening (None: not by time)."""
+        return None
+
+    # ---- the queue -----------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def close_arrivals(self) -> None:
+        """No more requests will come: a static batch need not wait to be full."""
+        self.arrivals_done = True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._token_budget()
+        for request in sorted(self.running, key=lambda r: not r.is_decoding):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num = int(min(request.num_pending_tokens, budget))
+            if num <= 0:
+                break
+            start, is_decode = request.num_computed_tokens, request.is_decoding
+            if self._reserve(request, start + num, out):
+                out.chunks.append(ScheduledChunk(request, start, num, is_decode))
+                budget -= num
+        if self.waiting and self._admission_open(self.clock.now()):
+            for request in self._admission_order():
+                num = int(min(request.num_pending_tokens, budget))
+                if num <= 0 or not self.slots.can_admit(num):
+                    break
+                self.waiting.remove(request)
+                self.slots.admit(request, num)
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                out.chunks.append(ScheduledChunk(request, 0, num, is_decode=False))
+                budget -= num
+        out.chunks = self._compose(out.chunks)
+        out.held_rows = list(self.held) if out.chunks else []
+        return out
+
+    def _reserve(self, request: Request, total: int, out: SchedulerOutput) -> bool:
+        """Reserve K/V for `request`, preempting the youngest running requests while it does
+        not fit. False when `request` itself had to go."""
+        while not self.slots.reserve(request, total):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            out.chunks = [c for c in out.chunks if c.request is not victim]
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop its K/V and requeue it at the front; it later re-prefills
+        prompt + the tokens it has already emitted, and only then samples a new one."""
+        self.running.remove(request)
+        self.slots.release(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """The step ran: each chunk's tokens now have K/V in the cache."""
+        for chunk in out.chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request (any state but finished) and free or hold its slot."""
+        if request.is_finished:
+            raise InvariantViolation(f"{request.request_id} finished twice ({request.finish_reason}, then {reason})")
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+            if self.holds_finished_rows:
+                self.held.append(request)
+            else:
+                self.slots.release(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        if not self.running:
+            for held in self.held:
+                self.slots.release(held)
+            self.held.clear()
+
+    def check_invariants(self) -> None:
+        """Raise InvariantViolation if the queues and the slot table disagree."""
+        self.slots.check_invariants()
+        ids = [r.request_id for r in (*self.waiting, *self.running, *self.held)]
+        if len(ids) != len(set(ids)):
+            raise InvariantViolation(f"a request is in two queues: {sorted(ids)}")
+        for request in self.waiting:
+            if request.status is not RequestStatus.WAITING or request.slot is not None:
+                raise InvariantViolation(f"waiting {request.request_id} is {request.status} with slot {request.slot}")
+        for request in self.running:
+            if request.status is not RequestStatus.RUNNING or self.slots.owner(request.slot) is not request:
+                raise InvariantViolation(f"running {request.request_id} does not own slot {request.slot}")
+            if not 0 <= request.num_computed_tokens <= request.num_tokens:
+                raise InvariantViolation(f"{request.request_id} computed {request.num_computed_tokens} of {request.num_tokens}")
+        for request in self.held:
+            if not request.is_finished or self.slots.owner(request.slot) is not request:
+                raise InvariantViolation(f"held {request.request_id} is not a finished slot owner")
+        if self.slots.num_used_slots != len(self.running) + len(self.held):
+            raise InvariantViolation(
+                f"{self.slots.num_used_slots} slots used but {len(self.running)} running + {len(self.held)} held"
+            )

@@ -1,0 +1,98 @@
+"""Who holds which cache slot, and how many K/V tokens each holds against the cache's budget.
+
+Pure bookkeeping (no torch): the scheduler asks it yes/no questions and it never decides
+policy, like nano-vllm's block manager. The tensors themselves live in `kv_cache.py`.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from replica.errors import InvariantViolation
+from replica.request import Request
+
+
+class SlotTable:
+    def __init__(self, num_slots: int, max_seq_len: int, kv_budget_tokens: int | None = None):
+        self.num_slots = num_slots
+        self.max_seq_len = max_seq_len
+        # A budget below num_slots * max_seq_len models a cache smaller than every slot full.
+        self.kv_budget_tokens = kv_budget_tokens or num_slots * max_seq_len
+        self._free: list[int] = list(range(num_slots))  # a heap: lowest slot first keeps the batch compact
+        self._owner: dict[int, Request] = {}
+        self._held: dict[int, int] = {}  # slot -> K/V tokens reserved for its owner
+        self.used_kv_tokens = 0
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_slots(self) -> int:
+        return len(self._owner)
+
+    @property
+    def free_kv_tokens(self) -> int:
+        return self.kv_budget_tokens - self.used_kv_tokens
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most K/V tokens one request may ever hold."""
+        return min(self.max_seq_len, self.kv_budget_tokens)
+
+    def can_admit(self, num_tokens: int) -> bool:
+        return bool(self._free) and num_tokens <= self.free_kv_tokens
+
+    def admit(self, request: Request, num_tokens: int) -> None:
+        if not self.can_admit(num_tokens):
+            raise InvariantViolation(f"admit({request.request_id}) without a free slot or {num_tokens} free tokens")
+        slot = heapq.heappop(self._free)
+        request.slot = slot
+        self._owner[slot] = request
+        self._held[slot] = 0
+        self.reserve(request, num_tokens)
+
+    def reserve(self, request: Request, total_tokens: int) -> bool:
+        """Grow the request's reservation to `total_tokens`; False if the budget cannot cover it.
+        Idempotent, so a row planned but not run does not reserve twice."""
+        slot = request.slot
+        if slot is None or self._owner.get(slot) is not request:
+            raise InvariantViolation(f"reserve() for {request.request_id}, which holds no slot")
+        if total_tokens > self.max_seq_len:
+            raise InvariantViolation(f"{request.request_id} needs {total_tokens} tokens, slot holds {self.max_seq_len}")
+        need = total_tokens - self._held[slot]
+        if need <= 0:
+            return True
+        if need > self.free_kv_tokens:
+            return False
+        self._held[slot] += need
+        self.used_kv_tokens += need
+        return True
+
+    def release(self, request: Request) -> None:
+        slot = request.slot
+        if slot is None or self._owner.get(slot) is not request:
+            raise InvariantViolation(f"release() for {request.request_id}, which holds no slot")
+        del self._owner[slot]
+        self.used_kv_tokens -= self._held.pop(slot)
+        heapq.heappush(self._free, slot)
+        request.slot = None
+
+    def owner(self, slot: int) -> Request | None:
+        return self._owner.get(slot)
+
+    def check_invariants(self) -> None:
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise InvariantViolation(f"a slot is free twice: {sorted(self._free)}")
+        if free & self._owner.keys():
+            raise InvariantViolation(f"slots both free and owned: {sorted(free & self._owner.keys())}")
+        if len(free) + len(self._owner) != self.num_slots:
+            raise InvariantViolation(f"free {len(free)} + used {len(self._owner)} != {self.num_slots} slots")
+        for slot, request in self._owner.items():
+            if request.slot != slot:
+                raise InvariantViolation(f"slot {slot} owned by {request.request_id}, which thinks it has {request.slot}")
+        if sum(self._held.values()) != self.used_kv_tokens or self.used_kv_tokens > self.kv_budget_tokens:
+            raise InvariantViolation(
+                f"K/V tokens held {sum(self._held.values())}, counted {self.used_kv_tokens}, budget {self.kv_budget_tokens}"
+            )
