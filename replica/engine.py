@@ -236,6 +236,13 @@ class Engine:
         del self.requests[request.request_id]
         return RequestOutput(request.request_id, new_tokens, new_text, True, reason, self.clock.now(), error)
 
+    def wait_idle(self, next_arrival: float | None = None) -> None:
+        """Nothing could run this step: sleep until the policy's timer or the next arrival."""
+        wakes = [t for t in (self.scheduler.wake_time(), next_arrival) if t is not None]
+        if not wakes:
+            raise InvariantViolation(f"{self.scheduler.name}: requests wait but nothing can ever run them")
+        self.clock.sleep(max(0.0, min(wakes) - self.clock.now()))
+
     # ---- offline use ---------------------------------------------------------------------
     def generate(self, prompts: Sequence[str | list[int]], params: SamplingParams | dict | Sequence | None = None,
                  oracle_output_lens: Sequence[int] | None = None) -> list[Completion]:
@@ -252,11 +259,8 @@ class Engine:
         was_done, self.scheduler.arrivals_done = self.scheduler.arrivals_done, True
         try:
             while any(not r.is_finished for r in requests):
-                if self.step().record is None:  # nothing may run yet: wait for the policy's timer
-                    wake = self.scheduler.wake_time()
-                    if wake is None:
-                        raise InvariantViolation(f"{self.scheduler.name}: requests wait but nothing can ever run")
-                    self.clock.sleep(max(0.0, wake - self.clock.now()))
+                if self.step().record is None:
+                    self.wait_idle()
         finally:
             self.scheduler.arrivals_done = was_done
         return [self.completion(r) for r in requests]

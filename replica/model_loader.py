@@ -82,6 +82,9 @@ def load_hf_model(model: str, seed: int = 0):
     """Load (hf_model, tokenizer) on the CPU in fp32. The tokenizer of the random GPT-2 is
     the default model's (its ids fit GPT-2's larger vocabulary)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a per-tensor bar for a load that takes a second is noise
 
     path = resolve_model_dir(model)
     if path is None:

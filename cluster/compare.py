@@ -1,0 +1,128 @@
+"""Compare batching policies on one replica of a real model, on the same traffic.
+
+One model runner is shared by every policy (same weights, same cache memory), the load is
+stated as a multiple of the replica's measured full-batch decode capacity, and each policy
+replays the same seeded workload. Prints a table and writes traces, step records, a summary
+and a plot."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+
+from cluster.metrics import SLO, summarize, slot_efficiency
+from cluster.replay import ReplayResult, replay
+from replica.engine import Engine, EngineConfig
+from replica.model_runner import ModelRunner
+from workloads.standard import STANDARD_WORKLOADS
+from workloads.workload import Workload
+
+
+def measure_decode_capacity(runner: ModelRunner, num_slots: int, max_seq_len: int) -> float:
+    """Output tokens/s of full-batch decode steps on this runner (median step)."""
+    engine = Engine(EngineConfig(policy="mixed", num_slots=num_slots, max_seq_len=max_seq_len), runner)
+    prompts = [[100 + i] * 32 for i in range(num_slots)]
+    for p in prompts:
+        engine.add_request(p, {"max_tokens": 12, "ignore_eos": True})
+    times = []
+    while engine.has_unfinished:
+        record = engine.step().record
+        if record and record.num_prefill_tokens == 0 and record.num_decode_tokens == num_slots:
+            times.append(record.duration)
+    return num_slots / statistics.median(times[2:] or times)
+
+
+def make_workload(name: str, num_requests: int, rate: float, seed: int) -> Workload:
+    maker = STANDARD_WORKLOADS[name]
+    if name == "saturated":
+        return maker(num_requests=num_requests, seed=seed)
+    return maker(num_requests=num_requests, rate=rate, seed=seed)
+
+
+def compare_policies(policies: list[str], workload: str = "long-prompts", num_requests: int = 24, load: float = 0.8,
+                     num_slots: int = 8, max_seq_len: int = 640, token_budget: int = 64, model: str = "smollm2-135m",
+                     dtype: str = "float32", seed: int = 0, slo: SLO = SLO(), out_dir: Path | None = None,
+                     progress: bool = True) -> dict:
+    runner = ModelRunner(model, num_slots, max_seq_len, dtype)
+    capacity = measure_decode_capacity(runner, num_slots, max_seq_len)
+    mean_output = statistics.mean(make_workload(workload, num_requests, 1.0, seed).output_lens)
+    rate = load * capacity / mean_output  # lengths do not depend on the rate
+    traffic = make_workload(workload, num_requests, rate, seed)
+    rows, results = [], {}
+    for policy in policies:
+        config = EngineConfig(policy=policy, num_slots=num_slots, max_seq_len=max_seq_len, token_budget=token_budget,
+                              model=model, dtype=dtype)
+        result = replay(Engine(config, runner), traffic, seed=seed, progress=progress, desc=policy)
+        results[policy] = result
+        s = summarize(result.traces, slo)
+        rows.append({
+            "policy": policy, "throughput": s.throughput, "goodput": s.goodput, "slo_attainment": s.slo_attainment,
+            "ttft_p50": s.ttft["p50"], "ttft_p99": s.ttft["p99"], "tpot_p50": s.tpot["p50"],
+            "itl_p99": s.itl["p99"], "itl_max": s.itl["max"],
+            "slot_efficiency": slot_efficiency((r.useful_rows for r in result.steps), (r.computed_rows for r in result.steps)),
+            "preemptions": s.num_preemptions, "max_submit_lateness": max(result.submit_lateness, default=0.0),
+        })
+    report = {"workload": traffic.describe(), "workload_params": traffic.params, "load": load,
+              "capacity_tokens_per_s": capacity, "rate_requests_per_s": rate, "num_slots": num_slots,
+              "token_budget": token_budget, "model": model, "dtype": dtype, "slo": asdict(slo), "rows": rows}
+    if out_dir is not None:
+        write_outputs(Path(out_dir), report, results)
+    return report
+
+
+def format_table(report: dict) -> str:
+    head = (f"{'policy':<11}{'tok/s':>8}{'goodput':>9}{'SLO %':>7}{'TTFT p50':>10}{'TTFT p99':>10}"
+            f"{'TPOT p50':>10}{'ITL p99':>9}{'ITL max':>9}{'slot eff':>9}{'preempt':>8}")
+    lines = [head, "-" * len(head)]
+    for r in report["rows"]:
+        ms = lambda v: f"{1000 * v:.0f}ms" if v is not None else "-"  # noqa: E731
+        lines.append(f"{r['policy']:<11}{r['throughput']:>8.1f}{r['goodput']:>9.1f}{100 * r['slo_attainment']:>6.0f}%"
+                     f"{ms(r['ttft_p50']):>10}{ms(r['ttft_p99']):>10}{ms(r['tpot_p50']):>10}{ms(r['itl_p99']):>9}"
+                     f"{ms(r['itl_max']):>9}{r['slot_efficiency']:>9.3f}{r['preemptions']:>8}")
+    slo = report["slo"]
+    lines.append(f"workload: {report['workload']}; load {report['load']}x of measured capacity "
+                 f"({report['capacity_tokens_per_s']:.1f} decode tokens/s at {report['num_slots']} slots) = "
+                 f"{report['rate_requests_per_s']:.2f} requests/s; chunked token budget {report['token_budget']}; "
+                 f"SLO: TTFT <= {slo['ttft']} s, TPOT <= {slo['tpot']} s")
+    return "\n".join(lines)
+
+
+def write_outputs(out_dir: Path, report: dict, results: dict[str, ReplayResult]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").write_text(json.dumps(report, indent=2))
+    with open(out_dir / "traces.jsonl", "w") as f:
+        for policy, result in results.items():
+            for t in result.traces:
+                f.write(json.dumps({"policy": policy, **asdict(t)}) + "\n")
+    with open(out_dir / "steps.jsonl", "w") as f:
+        for policy, result in results.items():
+            for s in result.steps:
+                f.write(json.dumps({"policy": policy, **asdict(s)}) + "\n")
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    names = [r["policy"] for r in report["rows"]]
+    axes[0].bar(names, [r["throughput"] for r in report["rows"]], label="throughput")
+    axes[0].bar(names, [r["goodput"] for r in report["rows"]], label="goodput", alpha=0.7)
+    axes[0].set_ylabel("output tokens / s")
+    axes[0].legend()
+    for policy, result in results.items():
+        ttfts = sorted(t.ttft for t in result.traces if t.ttft is not None)
+        axes[1].plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=policy)
+        itls = sorted(g for t in result.traces for g in t.itls)
+        axes[2].plot(itls, [(i + 1) / len(itls) for i in range(len(itls))], label=policy)
+    axes[1].set_xlabel("TTFT (s)")
+    axes[2].set_xlabel("inter-token latency (s)")
+    axes[2].set_xscale("log")
+    for ax in axes[1:]:
+        ax.set_ylabel("share of requests / gaps")
+        ax.legend(fontsize=8)
+    fig.suptitle(report["workload"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out_dir / "policies.png", dpi=100)
+    plt.close(fig)
