@@ -109,7 +109,6 @@ class Engine:
         self.tokenizer = runner.tokenizer
         self.scheduler = make_scheduler(self.config.policy, self.config, self.clock)
         self.requests: dict[str, Request] = {}  # unfinished ones
-        self._prompts: dict[str, str | list[int]] = {}
         self._ids = itertools.count()
         self._steps = itertools.count()
 
@@ -141,7 +140,6 @@ class Engine:
         request = Request(request_id, prompt_ids, sampling,
                           self.clock.now() if arrival_time is None else arrival_time, oracle_output_len)
         self.requests[request_id] = request
-        self._prompts[request_id] = prompt
         self.scheduler.add(request)
         return request_id
 
@@ -252,10 +250,14 @@ class Engine:
         if len(per_prompt) != len(prompts):
             raise InvalidRequestError("params", f"{len(per_prompt)} params for {len(prompts)} prompts")
         lens = oracle_output_lens or [None] * len(prompts)
-        requests = []
-        for prompt, p, n in zip(prompts, per_prompt, lens):
-            rid = self.add_request(prompt, p, oracle_output_len=n)
-            requests.append(self.requests[rid])
+        requests: list[Request] = []
+        try:
+            for prompt, p, n in zip(prompts, per_prompt, lens):
+                requests.append(self.requests[self.add_request(prompt, p, oracle_output_len=n)])
+        except InvalidRequestError:
+            for request in requests:  # all or nothing: leave no orphan queued
+                self.abort(request.request_id)
+            raise
         was_done, self.scheduler.arrivals_done = self.scheduler.arrivals_done, True
         try:
             while any(not r.is_finished for r in requests):
@@ -263,13 +265,13 @@ class Engine:
                     self.wait_idle()
         finally:
             self.scheduler.arrivals_done = was_done
-        return [self.completion(r) for r in requests]
+        return [completion(r, prompt) for r, prompt in zip(requests, prompts)]
 
-    def completion(self, request: Request) -> Completion:
-        return Completion(request.request_id, self._prompts.pop(request.request_id, request.prompt_token_ids),
-                          request.prompt_token_ids, list(request.output_token_ids), request.text,
-                          request.finish_reason, request.arrival_time, list(request.token_times),
-                          request.num_preemptions, request.error)
+
+def completion(request: Request, prompt: str | list[int]) -> Completion:
+    return Completion(request.request_id, prompt, request.prompt_token_ids, list(request.output_token_ids), request.text,
+                      request.finish_reason, request.arrival_time, list(request.token_times),
+                      request.num_preemptions, request.error)
 
 
 def _first_stop(text: str, stops: list[str], new_from: int) -> int | None:

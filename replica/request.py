@@ -28,10 +28,10 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
 
-    @field_validator("temperature", "top_p")
+    @field_validator("temperature", "top_p", mode="before")
     @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
+    def _finite(cls, value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"must be a finite number, got {value}")
         return value
 
@@ -62,11 +62,15 @@ class SamplingParams(BaseModel):
             return params
         if not isinstance(params, dict):
             raise InvalidRequestError("params", f"expected a dict or SamplingParams, got {type(params).__name__}")
+        if not all(isinstance(k, str) for k in params):
+            raise InvalidRequestError("params", f"parameter names must be strings, got {list(params)!r}")
         try:
-            return cls(**params)
+            return cls.model_validate(params)
         except ValidationError as err:
             first = err.errors()[0]
             name = ".".join(str(p) for p in first["loc"]) or "params"
+            if first["type"] == "extra_forbidden":
+                raise InvalidRequestError(name, f"unknown parameter; known: {', '.join(cls.model_fields)}") from None
             raise InvalidRequestError(name, f"{first['msg']} (given {first.get('input')!r})") from None
 
 

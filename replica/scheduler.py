@@ -167,6 +167,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        self._release_held_if_drained()
 
     def advance(self, out: SchedulerOutput) -> None:
         """The step ran: each chunk's tokens now have K/V in the cache."""
@@ -187,6 +188,11 @@ class Scheduler:
                 self.slots.release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self._release_held_if_drained()
+
+    def _release_held_if_drained(self) -> None:
+        """A static batch's held rows go when its last running request does (by finishing or
+        by being preempted)."""
         if not self.running:
             for held in self.held:
                 self.slots.release(held)
