@@ -9,8 +9,9 @@ and where batching stops paying.
 
     .venv/bin/python benchmarks/hardware.py [--out HARDWARE.md] [--quick] [--threads N]
 
-Another busy process ruins these numbers (torch's threads spin-wait on each other), so the
-script checks the load average first and reports the spread of the step times it measured.
+A busy neighbour ruins these numbers (torch's threads wait on each other, and small ops
+slow down tenfold), so the script checks the load average first, measures how much CPU
+other processes took during the run, and reports the spread of the step times.
 """
 
 from __future__ import annotations
@@ -23,41 +24,39 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from replica.engine import Engine, EngineConfig
 from replica.model_runner import ModelRunner
 
 MODEL = "smollm2-135m"
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
+PROFILED = (1, 64)
 PROMPT_LEN = 64
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
 def machine() -> dict:
-    """CPU model, cores, threads, memory: what the numbers below belong to."""
-    cpu = "unknown"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
+    """CPU model, vector extensions, cores, threads, memory: what the numbers belong to."""
+    info = Path("/proc/cpuinfo").read_text()
+    cpu = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")), "unknown")
+    flags = set(next((l.split(":", 1)[1].split() for l in info.splitlines() if l.startswith("flags")), []))
     mem_kb = next(int(l.split()[1]) for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal"))
-    flags = Path("/proc/cpuinfo").read_text()
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "mem_gib": mem_kb / 2**20,
-            "torch": torch.__version__, "python": platform.python_version(), "isa": " ".join(isa)}
+    return {"cpu": cpu, "isa": " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags),
+            "cores": os.cpu_count(), "threads": torch.get_num_threads(), "mem_gib": mem_kb / 2**20,
+            "torch": torch.__version__, "python": platform.python_version()}
 
 
 def cpu_snapshot() -> tuple[float, float, float]:
-    """(CPU seconds busy on the whole machine, CPU seconds of this process, wall time)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    """(CPU seconds busy on the whole machine, CPU seconds of this process, wall seconds)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
     own = os.times()
-    return busy, own.user + own.system, time.monotonic()
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK"), own.user + own.system, time.monotonic()
 
 
 def others_share(before: tuple, after: tuple) -> float:
-    """Share of the cores other processes kept busy between two snapshots: the load average
-    cannot tell, since this script's own threads count in it."""
+    """Share of the cores that other processes kept busy between two snapshots (the load
+    average cannot tell: this script's own threads count in it)."""
     busy, own, wall = (a - b for a, b in zip(after, before))
     return max(0.0, busy - own) / (wall * os.cpu_count())
 
@@ -76,222 +75,193 @@ def timed(fn, warmup: int, reps: int) -> list[float]:
 
 def matmul_flops(dtype: torch.dtype, n_max: int, reps: int) -> tuple[float, float, int]:
     """(best, median) FLOP/s of an n x n matrix product (2 n^3 FLOPs), and n. Without native
-    bf16 instructions (AVX-512 BF16, AMX) torch takes a slow path, so n is cut (from n_max
-    down to 256) until one product is expected to take under half a second."""
-    n = n_max
-    probe = min(timed(lambda: torch.matmul(*[torch.ones(256, 256, dtype=dtype)] * 2), 1, 3))
+    bf16 instructions (AVX-512 BF16, AMX) torch takes a slow path, so n is cut (down to 256)
+    until one product is expected to take under half a second."""
+    small = torch.ones(256, 256, dtype=dtype)
+    probe, n = min(timed(lambda: small @ small, 1, 3)), n_max
     while n > 256 and probe * (n / 256) ** 3 > 0.5:
         n //= 2
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    c = torch.empty(n, n, dtype=dtype)
+    a, b, c = (torch.randn(n, n).to(dtype) for _ in range(3))
     times = timed(lambda: torch.matmul(a, b, out=c), 2, reps)
     return 2 * n**3 / min(times), 2 * n**3 / statistics.median(times), n
 
 
-def copy_bandwidth(nbytes: int, reps: int) -> tuple[float, float]:
-    """(best, median) bytes/s of copying a tensor far larger than the caches; read + write counted."""
+def bandwidth(nbytes: int, reps: int) -> dict[str, float]:
+    """Best bytes/s of copying a tensor far larger than the caches (read + write bytes
+    counted) and of summing it (read only, like a decode step streaming the weights)."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    times = timed(lambda: dst.copy_(src), 2, reps)
-    return 2 * nbytes / min(times), 2 * nbytes / statistics.median(times)
+    return {"copy": 2 * nbytes / min(timed(lambda: dst.copy_(src), 2, reps)),
+            "read": nbytes / min(timed(lambda: src.sum(), 2, reps))}
 
 
-def new_engine(runner: ModelRunner, batch: int, max_tokens: int) -> Engine:
-    """An engine holding `batch` requests with distinct 64-token prompts, not yet prefilled."""
+def decode_sweep_point(runner: ModelRunner, batch: int, max_tokens: int, profile_steps: int) -> dict:
+    """B requests with distinct 64-token prompts through a fresh engine on the shared runner.
+    Step 1 prefills them all; the next max_tokens - 1 steps are pure decodes, of which the
+    median after 2 warmups is kept; then `profile_steps` more decodes run under torch.profiler."""
     engine = Engine(EngineConfig(policy="mixed", num_slots=batch, max_seq_len=256), runner=runner)
     for i in range(batch):
-        prompt = [100 + (7 * i + j) % 5000 for j in range(PROMPT_LEN)]
-        engine.add_request(prompt, {"max_tokens": max_tokens, "ignore_eos": True})
-    return engine
-
-
-def decode_steps(runner: ModelRunner, batch: int, max_tokens: int, warmup: int = 2) -> dict:
-    """Run `batch` requests to the end; median time of the pure decode steps after `warmup`.
-    The first step prefills all prompts together; its time is kept as a prefill figure."""
-    engine, times, prefill = new_engine(runner, batch, max_tokens), [], None
-    while engine.has_unfinished:
-        rec = engine.step().record
-        if rec.num_prefill_tokens:
-            prefill = (rec.num_prefill_tokens, rec.duration)
-        else:
-            times.append(rec.duration)
-    times = times[warmup:]
+        engine.add_request([100 + (7 * i + j) % 5000 for j in range(PROMPT_LEN)],
+                           {"max_tokens": max_tokens + profile_steps, "ignore_eos": True})
+    first = engine.step().record
+    assert first.num_prefill_tokens == batch * PROMPT_LEN, first
+    records = [engine.step().record for _ in range(max_tokens - 1)]
+    assert all(r.num_prefill_tokens == 0 and r.num_decode_tokens == batch for r in records)
+    times = [r.duration for r in records[2:]]
     q = statistics.quantiles(times, n=4)
-    return {"batch": batch, "step": statistics.median(times), "spread": (q[2] - q[0]) / statistics.median(times),
-            "prefill": prefill, "steps": len(times)}
-
-
-def profile_decode(runner: ModelRunner, batch: int, steps: int) -> tuple[list[tuple[str, float]], float, float]:
-    """Top ops by self CPU time per decode step at `batch`, the matrix products' share, and
-    the step's wall time under the profiler (which inflates small ops)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    engine = new_engine(runner, batch, steps + 4)
-    for _ in range(3):  # prefill, then two decodes
-        engine.step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        wall = (time.perf_counter() - t) / steps
-    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in ops)
-    mm = sum(e.self_cpu_time_total for e in ops if e.key in MATMUL_OPS)
-    top = [(e.key, e.self_cpu_time_total / 1e3 / steps) for e in ops[:6]]
-    return top, mm / total, wall
+    out = {"batch": batch, "step": statistics.median(times), "spread": (q[2] - q[0]) / statistics.median(times),
+           "prefill": (first.num_prefill_tokens, first.duration)}
+    if profile_steps:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(profile_steps):
+                engine.step()
+        ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in ops)
+        out["mm_ms"] = sum(e.self_cpu_time_total for e in ops if e.key in MATMUL_OPS) / 1e3 / profile_steps
+        out["mm_share"] = out["mm_ms"] * 1e3 * profile_steps / total
+        out["top_ops"] = [(e.key, e.self_cpu_time_total / 1e3 / profile_steps) for e in ops[:5]]
+    assert not engine.has_unfinished
+    return out
 
 
 def knee(rows: list[dict]) -> tuple[int, int | None]:
-    """(knee, first B whose doubling gained < 1.5x tokens/s). Up to the knee every doubling
-    of B gained at least 1.5x tokens/s (nearly linear); the next doubling gained less."""
-    for prev, row in zip(rows, rows[1:]):
+    """(knee, the B after it). Counted from B=2 (see render): up to the knee every doubling
+    of B gained at least 1.5x tokens/s, i.e. grew nearly linearly; the next one gained less."""
+    for prev, row in zip(rows[1:], rows[2:]):
         if row["tps"] / prev["tps"] < 1.5:
             return prev["batch"], row["batch"]
     return rows[-1]["batch"], None
 
 
-def render(m: dict, hw: dict, pred: dict, rows: list[dict], prof: dict, args, load: tuple[float, float]) -> str:
+def render(m: dict, hw: dict, pred: dict, rows: list[dict], args, load: float, others: float) -> str:
     """HARDWARE.md as markdown."""
-    g = lambda x: f"{x / 1e9:.0f}"  # noqa: E731
-    k, first_slow = knee(rows)
-    big = rows[-1]
-    pf_tokens, pf_time = big["prefill"]
+    fp32, bf16, bw = hw["fp32"], hw["bf16"], hw["bw"]
+    k, after = knee(rows)
+    pf_tokens, pf_time = rows[-1]["prefill"]
+    no_bf16 = not {"avx512_bf16", "amx_bf16"} & set(m["isa"].split())
     lines = [
-        "# Hardware: what this machine allows, and what slotserve gets",
-        "",
-        f"Written by `benchmarks/hardware.py` ({'--quick' if args.quick else 'full run'}). Rerun: "
-        "`.venv/bin/python benchmarks/hardware.py [--out HARDWARE.md] [--quick] [--threads N]`.",
-        f"Before the run the 1-minute load average was {load[0]:.2f}; during it other processes kept "
-        f"{load[1]:.0%} of the cores busy"
-        + (" (**disturbed: numbers may be low**)." if load[0] > 1.0 or load[1] > 0.05 else "."),
-        "",
-        "## This machine",
-        "",
-        f"- CPU: {m['cpu']} ({m['isa']})",
+        "# Hardware: what this machine allows, and what slotserve gets", "",
+        f"Written by `benchmarks/hardware.py`{' --quick' if args.quick else ''}. Rerun: "
+        "`.venv/bin/python benchmarks/hardware.py [--out HARDWARE.md] [--quick] [--threads N]` (~2 minutes).",
+        f"Before the run the 1-minute load average was {load:.2f}; during it other processes kept {others:.0%} "
+        "of the cores busy" + (" (**disturbed: numbers may be low**)." if load > 1.0 or others > 0.05 else "."), "",
+        "## This machine", "",
+        f"- CPU: {m['cpu']}; vector extensions: {m['isa']}",
         f"- cores: {m['cores']} (`os.cpu_count()`); torch threads: {m['threads']} (`torch.get_num_threads()`)",
         f"- memory: {m['mem_gib']:.1f} GiB; torch {m['torch']}, Python {m['python']}",
-        "- Threads: torch here uses one thread per core. Inside a Ray actor, Ray sets `OMP_NUM_THREADS` to the "
-        "actor's `num_cpus`, so torch uses that many threads (1 at `num_cpus=1`): a replica's speed depends on "
-        "what it asks Ray for. `--threads N` reruns this with N threads.",
-        "",
-        "## Measured roofs (best of several reps; median in brackets)",
-        "",
-        f"- fp32 matrix product ({hw['fp32'][2]}x{hw['fp32'][2]}): **{g(hw['fp32'][0])} GFLOP/s** ({g(hw['fp32'][1])})",
-        f"- bf16 matrix product ({hw['bf16'][2]}x{hw['bf16'][2]}): **{hw['bf16'][0] / 1e9:.1f} GFLOP/s** "
-        f"({hw['bf16'][1] / 1e9:.1f})",
-        f"- memory copy ({args.copy_mib} MiB, read + write bytes counted): **{hw['bw'][0] / 1e9:.1f} GB/s** "
-        f"({hw['bw'][1] / 1e9:.1f})",
-        f"- ridge point (fp32 FLOP/s / bytes/s): **{pred['ridge']:.1f} FLOP/byte**; a kernel doing less work per "
-        "byte it reads is memory-bound.",
-        "",
-        "## What they predict for the default model (SmolLM2-135M-Instruct, fp32)",
-        "",
-        f"- weights per token P = {pred['P'] / 1e6:.1f} M (matrix products incl. the {pred['lm_head'] / 1e6:.1f} M "
-        f"lm_head); weight bytes = 4P = {pred['P'] * 4 / 1e6:.0f} MB",
-        f"- FLOPs per token = 2P = {2 * pred['P'] / 1e6:.0f} MFLOP (attention adds ~{pred['attn_flops'] / 1e6:.1f} "
+        "- threads: in a plain process torch uses one thread per core. Inside a Ray actor, Ray sets "
+        "`OMP_NUM_THREADS` to the actor's `num_cpus`, so torch uses that many threads (1 at `num_cpus=1`): a "
+        "replica's speed depends on what it asks Ray for. `--threads N` reruns all of this with N threads.", "",
+        "## Measured roofs (best of several reps; median in brackets)", "",
+        f"- fp32 matrix product ({fp32[2]}x{fp32[2]}): **{fp32[0] / 1e9:.0f} GFLOP/s** ({fp32[1] / 1e9:.0f})",
+        f"- bf16 matrix product ({bf16[2]}x{bf16[2]}): **{bf16[0] / 1e9:.1f} GFLOP/s** ({bf16[1] / 1e9:.1f})"
+        + (": no AVX-512 BF16 / AMX here, so bf16 takes a slow path; use `dtype=\"float32\"` on this machine"
+           if no_bf16 else ""),
+        f"- memory, {args.mib} MiB: copy **{bw['copy'] / 1e9:.1f} GB/s** (read + write bytes counted), "
+        f"read-only (sum) {bw['read'] / 1e9:.1f} GB/s",
+        f"- ridge point = fp32 FLOP/s / copy bytes/s = **{pred['ridge']:.1f} FLOP/byte**: work doing fewer FLOPs "
+        "per byte it moves is memory-bound", "",
+        "## What they predict for the default model (SmolLM2-135M-Instruct, fp32)", "",
+        f"- weights per token P = {pred['P'] / 1e6:.1f} M (all matrix products, incl. the {pred['lm_head'] / 1e6:.1f} M "
+        f"lm_head); weight bytes 4P = {4 * pred['P'] / 1e6:.0f} MB",
+        f"- FLOPs per token 2P = {2 * pred['P'] / 1e6:.0f} MFLOP (attention adds {pred['attn_flops'] / 1e6:.1f} "
         f"MFLOP at context {pred['ctx']}: ignored)",
-        "- a decode step at batch B does 2PB FLOP over 4P bytes of weights: intensity **B/2 FLOP/byte**",
-        f"- so a decode step turns compute-bound at B ≈ 2 x ridge = **{2 * pred['ridge']:.0f}**",
-        f"- compute roof: fp32 FLOP/s / 2P = **{pred['compute_tps']:.0f} tokens/s** at any batch; "
-        f"memory roof at batch 1: bandwidth / 4P = **{pred['mem_tps']:.0f} tokens/s** ({1e3 / pred['mem_tps']:.0f} ms/step)",
-        f"- the K/V cache adds {pred['kv_per_token'] / 1e3:.0f} KB read per token of context per sequence: "
-        f"{pred['ctx'] * 64 * pred['kv_per_token'] / 1e6:.0f} MB per step at B=64, context {pred['ctx']} "
-        "(the roofline column below includes it)",
-        "",
-        "## Decode step time against batch size (the real engine)",
-        "",
-        f"`Engine(EngineConfig(policy=\"mixed\", num_slots=B))` on one shared `ModelRunner`; B requests with "
-        f"{PROMPT_LEN}-token prompts and `ignore_eos`, prefilled together in one step, then median of the "
-        f"pure decode steps after 2 warmups (context {PROMPT_LEN + 3}-{PROMPT_LEN + args.max_tokens}). "
-        "A step's time is the engine's own record (scheduling, runner, sampling).",
-        "",
-        "| B | step ms | spread | tokens/s | x prev | GFLOP/s | % fp32 peak | roofline ms | % roofline |",
+        "- a decode step at batch B does 2PB FLOP while reading 4P bytes of weights: intensity **B/2 FLOP/byte**, so "
+        f"it turns compute-bound at B = 2 x ridge = **{2 * pred['ridge']:.0f}**",
+        f"- best decode rate: compute roof fp32 FLOP/s / 2P = **{pred['compute_tps']:.0f} tokens/s** (any batch); "
+        f"at batch 1 the memory roof copy bandwidth / 4P = **{pred['mem_tps']:.0f} tokens/s** "
+        f"({4e3 * pred['P'] / bw['copy']:.0f} ms per step)",
+        f"- the K/V cache adds {pred['kv_per_token'] / 1e3:.0f} KB read per sequence per token of context "
+        f"({64 * pred['ctx'] * pred['kv_per_token'] / 1e6:.0f} MB per step at B=64, context {pred['ctx']})", "",
+        "## Decode step time against batch size (the real engine)", "",
+        f"`Engine(EngineConfig(policy=\"mixed\", num_slots=B), runner=...)` on one shared 64-slot `ModelRunner`: B "
+        f"requests with distinct {PROMPT_LEN}-token prompts and `ignore_eos`, prefilled together in the first step; "
+        f"median of the {args.max_tokens - 3} pure decode steps after 2 warmups (context {PROMPT_LEN + 3}-"
+        f"{PROMPT_LEN + args.max_tokens - 1}). A step's time is the engine's own record: scheduling, the forward "
+        "pass and sampling.", "",
+        "| B | step ms | spread | tokens/s | x prev | GFLOP/s | % fp32 peak | roofline ms | % of roofline |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for prev, r in zip([None] + rows, rows):
-        gain = f"{r['tps'] / prev['tps']:.2f}" if prev else "-"
-        lines.append(
-            f"| {r['batch']} | {r['step'] * 1e3:.1f} | {r['spread']:.0%} | {r['tps']:.0f} | {gain} | "
-            f"{r['flops'] / 1e9:.1f} | {r['flops'] / hw['fp32'][0]:.0%} | {r['roof'] * 1e3:.1f} | "
-            f"{r['roof'] / r['step']:.0%} |")
+        lines.append(f"| {r['batch']} | {r['step'] * 1e3:.1f} | {r['spread']:.0%} | {r['tps']:.0f} | "
+                     + (f"{r['tps'] / prev['tps']:.2f}" if prev else "-")
+                     + f" | {r['flops'] / 1e9:.1f} | {r['flops'] / fp32[0]:.0%} | {r['roof'] * 1e3:.1f} | "
+                     f"{r['roof'] / r['step']:.0%} |")
     lines += [
-        "",
-        "spread = interquartile range / median of the decode steps; roofline ms = max(2PB / fp32 FLOP/s, "
-        "(4P + K/V bytes) / bandwidth); GFLOP/s counts 2P per token.",
-        "",
-        f"**Knee: B = {k}.** Defined as the largest B up to which every doubling of B still gained at least 1.5x "
-        "tokens/s" + (f"; doubling to {first_slow} gained less." if first_slow else "; no doubling measured fell below."),
+        "", "spread = interquartile range / median of the decode steps. GFLOP/s counts 2P per token. roofline ms = "
+        "max(2PB / fp32 FLOP/s, (4P + K/V bytes) / copy bandwidth), the fastest the step could be.", "",
+        f"**Knee: B = {k}.** Definition: counting from B=2, the largest B up to which every doubling of B still gained "
+        "at least 1.5x tokens/s (nearly linear growth)"
+        + (f"; doubling to {after} gained {rows[BATCHES.index(after)]['tps'] / rows[BATCHES.index(k)]['tps']:.2f}x."
+           if after else "; no doubling measured fell below.")
+        + f" B=1 is left out of the count: going from 1 to 2 gained {rows[1]['tps'] / rows[0]['tps']:.2f}x.",
         f"Prefill for comparison: {pf_tokens} prompt tokens in one step took {pf_time:.2f} s = "
-        f"{pf_tokens / pf_time:.0f} tokens/s, {2 * pred['P'] * pf_tokens / pf_time / 1e9:.0f} GFLOP/s.",
-        "",
-        "## Per-sequence loops",
-        "",
+        f"{pf_tokens / pf_time:.0f} tokens/s = {2 * pred['P'] * pf_tokens / pf_time / 1e9:.0f} GFLOP/s.", "",
+        "## Per-sequence loops", "",
         "`replica/attention.py` runs attention per group (one for single-token rows, one for multi-token prefill "
         "chunks), each group one `scaled_dot_product_attention` call over a padded slot range: no per-sequence "
-        "Python loop remains in the forward pass.",
+        "Python loop remains in the forward pass. Where a decode step's time goes (torch.profiler, self CPU time):", "",
     ]
-    for batch, (top, mm_share, wall) in prof.items():
-        ops = ", ".join(f"`{name}` {ms:.1f}" for name, ms in top)
-        lines.append(f"- torch.profiler at B={batch} (step {wall * 1e3:.0f} ms under the profiler): matrix products "
-                     f"(`mm`/`addmm`/`bmm`) take {mm_share:.0%} of self CPU time; top ops, ms per step: {ops}.")
+    for r in rows:
+        if "top_ops" in r:
+            ops = ", ".join(f"`{name}` {ms:.1f}" for name, ms in r["top_ops"])
+            mm_s = r["mm_ms"] / 1e3
+            lines.append(f"- B={r['batch']}: matrix products (`mm`, `addmm`, `bmm`) {r['mm_share']:.0%}, in which the "
+                         f"weights stream at {4 * pred['P'] / mm_s / 1e9:.1f} GB/s and the arithmetic runs at "
+                         f"{2 * pred['P'] * r['batch'] / mm_s / 1e9:.0f} GFLOP/s; top ops, ms per step: {ops}")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="HARDWARE.md", help="markdown file to write (default: HARDWARE.md)")
-    parser.add_argument("--quick", action="store_true", help="fewer reps and decode steps (~1 minute, noisier)")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N) first (default: torch's)")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and decode steps (noisier)")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads(N) first, e.g. to match a Ray actor's num_cpus")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.n, args.copy_mib = 2048, 256
-    reps, args.max_tokens = (4, 12) if args.quick else (10, 24)
+    args.mib = 256
+    reps, args.max_tokens, profile_steps = (4, 10, 2) if args.quick else (15, 24, 4)
 
-    load0 = os.getloadavg()[0]
-    if load0 > 1.0:
-        print(f"WARNING: 1-minute load average is {load0:.2f}: another process may be using the cores")
+    load = os.getloadavg()[0]
+    if load > 1.0:
+        print(f"WARNING: 1-minute load average is {load:.2f}: another process may be using the cores")
     snap = cpu_snapshot()
     m = machine()
-    print(f"{m['cpu']}: {m['cores']} cores, {m['threads']} torch threads, {m['mem_gib']:.1f} GiB, torch {m['torch']}")
-    hw = {"fp32": matmul_flops(torch.float32, args.n, reps), "bf16": matmul_flops(torch.bfloat16, args.n, reps),
-          "bw": copy_bandwidth(args.copy_mib * 2**20, 2 * reps)}
-    print(f"fp32 {hw['fp32'][0] / 1e9:.0f} GFLOP/s, bf16 {hw['bf16'][0] / 1e9:.0f} GFLOP/s, "
-          f"copy {hw['bw'][0] / 1e9:.1f} GB/s")
+    print(f"{m['cpu']} ({m['isa']}): {m['cores']} cores, {m['threads']} torch threads, {m['mem_gib']:.1f} GiB, "
+          f"torch {m['torch']}")
+    hw = {"fp32": matmul_flops(torch.float32, 2048, reps), "bf16": matmul_flops(torch.bfloat16, 2048, reps),
+          "bw": bandwidth(args.mib * 2**20, 2 * reps)}
+    print(f"fp32 {hw['fp32'][0] / 1e9:.0f} GFLOP/s, bf16 {hw['bf16'][0] / 1e9:.1f} GFLOP/s, "
+          f"copy {hw['bw']['copy'] / 1e9:.1f} GB/s, read {hw['bw']['read'] / 1e9:.1f} GB/s")
 
     runner = ModelRunner(MODEL, num_slots=max(BATCHES), max_seq_len=256)
-    s = runner.model.shape
-    P, ctx = s.num_params_per_token, PROMPT_LEN + (3 + args.max_tokens) // 2
-    pred = {"P": P, "lm_head": s.vocab_size * s.hidden_size, "ridge": hw["fp32"][0] / hw["bw"][0], "ctx": ctx,
-            "attn_flops": 4 * s.num_layers * s.num_heads * s.head_dim * ctx,
-            "kv_per_token": runner.cache.bytes_per_token,
-            "compute_tps": hw["fp32"][0] / (2 * P), "mem_tps": hw["bw"][0] / (4 * P)}
-    print(f"P = {P / 1e6:.1f} M weights/token, ridge {pred['ridge']:.1f} FLOP/B, compute-bound from B ~ "
-          f"{2 * pred['ridge']:.0f}; roofs: {pred['compute_tps']:.0f} tok/s compute, {pred['mem_tps']:.0f} tok/s at B=1")
+    s, P = runner.model.shape, runner.model.shape.num_params_per_token
+    ctx = PROMPT_LEN + args.max_tokens // 2
+    pred = {"P": P, "lm_head": s.vocab_size * s.hidden_size, "ctx": ctx, "kv_per_token": runner.cache.bytes_per_token,
+            "attn_flops": 4 * s.num_layers * s.num_heads * s.head_dim * ctx, "ridge": hw["fp32"][0] / hw["bw"]["copy"],
+            "compute_tps": hw["fp32"][0] / (2 * P), "mem_tps": hw["bw"]["copy"] / (4 * P)}
+    print(f"P = {P / 1e6:.1f} M weights per token; ridge {pred['ridge']:.1f} FLOP/byte, so decode is compute-bound "
+          f"from B ~ {2 * pred['ridge']:.0f}; roofs {pred['compute_tps']:.0f} tok/s (compute), "
+          f"{pred['mem_tps']:.0f} tok/s (memory, B=1)")
 
     rows = []
     for batch in BATCHES:
-        r = decode_steps(runner, batch, args.max_tokens)
+        r = decode_sweep_point(runner, batch, args.max_tokens, profile_steps if batch in PROFILED else 0)
         r["tps"], r["flops"] = batch / r["step"], 2 * P * batch / r["step"]
-        kv_bytes = batch * ctx * pred["kv_per_token"]
-        r["roof"] = max(2 * P * batch / hw["fp32"][0], (4 * P + kv_bytes) / hw["bw"][0])
+        r["roof"] = max(2 * P * batch / hw["fp32"][0], (4 * P + batch * ctx * pred["kv_per_token"]) / hw["bw"]["copy"])
         rows.append(r)
-        print(f"B={batch:3d}: {r['step'] * 1e3:7.1f} ms/step (spread {r['spread']:.0%}), {r['tps']:6.0f} tok/s, "
-              f"{r['flops'] / 1e9:5.1f} GFLOP/s, roofline {r['roof'] * 1e3:.1f} ms")
-    print(f"knee (last B with >= 1.5x per doubling): {knee(rows)[0]}")
-
-    prof = {}
-    for batch in (1, max(BATCHES)):
-        prof[batch] = profile_decode(runner, batch, 2 if args.quick else 4)
-        print(f"profile B={batch}: mm share {prof[batch][1]:.0%}; " + ", ".join(f"{n} {ms:.1f} ms" for n, ms in prof[batch][0]))
+        print(f"B={batch:3d}: {r['step'] * 1e3:7.1f} ms/step (spread {r['spread']:.0%}), {r['tps']:5.0f} tok/s, "
+              f"{r['flops'] / 1e9:5.1f} GFLOP/s, roofline {r['roof'] * 1e3:.1f} ms"
+              + (f"; matrix products {r['mm_share']:.0%} of profiled CPU time" if "mm_share" in r else ""))
+    print(f"knee: B = {knee(rows)[0]}")
 
     others = others_share(snap, cpu_snapshot())
     if others > 0.05:
         print(f"WARNING: other processes kept {others:.0%} of the cores busy during the run: numbers may be low")
-    noisy = [r["batch"] for r in rows if r["spread"] > 0.2]
-    if noisy:
-        print(f"WARNING: decode steps noisy (spread > 20%) at B = {noisy}: rerun on a quiet machine")
-    Path(args.out).write_text(render(m, hw, pred, rows, prof, args, (load0, others)))
+    if noisy := [r["batch"] for r in rows if r["spread"] > 0.2]:
+        print(f"WARNING: decode step times spread > 20% at B = {noisy}: consider rerunning on a quiet machine")
+    Path(args.out).write_text(render(m, hw, pred, rows, args, load, others))
     print(f"wrote {args.out}")
 
 

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from replica.errors import SlotServeError
 from replica.policies import POLICIES
 
@@ -22,24 +24,126 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slots", type=int, default=8, help="K/V cache slots = most requests running at once")
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from replica.engine import Engine, EngineConfig
+def _running_cluster(address: str | None) -> bool:
+    """Is there a slotserve cluster to send requests to? (Never starts one.)"""
+    from cluster.client import ClusterError, connect, router_handle
 
-    engine = Engine(EngineConfig(model=args.model, policy=args.policy, num_slots=args.slots, dtype=args.dtype,
-                                 device=args.device, max_seq_len=args.max_seq_len))
-    prompts = args.prompts
-    if args.chat:
-        tok = engine.tokenizer
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-                   for p in prompts]
+    try:
+        connect(address)
+        router_handle()
+        return True
+    except ClusterError:
+        if address is not None:
+            raise
+        return False
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
               "seed": args.seed, "stop": args.stop or [], "ignore_eos": args.ignore_eos}
-    for shown, done in zip(args.prompts, engine.generate(prompts, params)):
+    if not args.local and _running_cluster(args.address):
+        if args.chat:
+            raise SlotServeError("--chat needs the tokenizer: use it with --local")
+        from cluster.client import Client
+
+        client = Client(args.address)
+        results = [client.generate(p, **params) for p in args.prompts]
+        rows = [(p, r.token_ids, r.text, r.finish_reason, r.replica_id) for p, r in zip(args.prompts, results)]
+    else:
+        from replica.engine import Engine, EngineConfig
+
+        engine = Engine(EngineConfig(model=args.model, policy=args.policy, num_slots=args.slots, dtype=args.dtype,
+                                     device=args.device, max_seq_len=args.max_seq_len))
+        prompts = args.prompts
+        if args.chat:
+            tok = engine.tokenizer
+            prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                               tokenize=False) for p in prompts]
+        done = engine.generate(prompts, params)
+        rows = [(p, d.token_ids, d.text, d.finish_reason.value, "local") for p, d in zip(args.prompts, done)]
+    for prompt, token_ids, text, reason, where in rows:
         if args.json:
-            print(json.dumps({"prompt": shown, "token_ids": done.token_ids, "text": done.text,
-                              "finish_reason": done.finish_reason.value, "num_prompt_tokens": len(done.prompt_token_ids)}))
+            print(json.dumps({"prompt": prompt, "token_ids": token_ids, "text": text, "finish_reason": reason,
+                              "replica": where}))
         else:
-            print(f"--- {shown!r} ({done.finish_reason.value}, {len(done.token_ids)} tokens)\n{done.text}")
+            print(f"--- {prompt!r} ({reason}, {len(token_ids)} tokens, {where})\n{text}")
+    return 0
+
+
+def _cluster_spec(args: argparse.Namespace):
+    from cluster.deploy import ClusterSpec
+    from replica.engine import EngineConfig
+    from replica.serving import ReplicaConfig
+
+    engine = EngineConfig(model=args.model, policy=args.policy, num_slots=args.slots, dtype=args.dtype,
+                          device="cuda" if args.num_gpus else args.device, max_seq_len=args.max_seq_len)
+    return ClusterSpec(num_replicas=args.replicas, replica=ReplicaConfig(engine=engine, fake_step_seconds=args.fake_step),
+                       routing_policy=args.routing[0], num_cpus_per_replica=args.num_cpus, num_gpus_per_replica=args.num_gpus,
+                       store_path=str(args.store), seed=args.seed)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from cluster.deploy import ensure_ray, start_cluster
+
+    spec = _cluster_spec(args)
+    ensure_ray(args.address, start_local=True)
+    print(f"starting {spec.num_replicas} replicas ({spec.replica.engine.model if spec.replica.fake_step_seconds is None else 'fake flat-cost model'}, "
+          f"{spec.replica.engine.policy} batching) and the router ({spec.routing_policy}) ...", flush=True)
+    start_cluster(spec, detached=True)
+    print(f"slotserve is up; metrics store: {Path(spec.store_path).resolve()}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from cluster.client import connect
+    from cluster.deploy import stop_cluster
+
+    connect(args.address)
+    names = stop_cluster()
+    print(f"stopped {len(names)} actors" if names else "no slotserve cluster was running")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from cluster.client import connect
+    from cluster.deploy import cluster_status
+
+    connect(args.address)
+    status = cluster_status()
+    print(f"router policy: {status['router']['policy']}")
+    print(f"{'replica':<12}{'node':<14}{'batching':<12}{'slots':>6}{'queue':>7}{'running':>8}{'free':>6}")
+    for r in status["replicas"]:
+        load = r["load"]
+        print(f"{r['replica_id']:<12}{r['node_id'][:12]:<14}{r['policy']:<12}{r['num_slots']:>6}"
+              f"{load['queue_depth']:>7}{load['running']:>8}{load['free_slots']:>6}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import ray
+
+    from cluster.deploy import ensure_ray, find_cluster, start_cluster, stop_cluster
+    from cluster.experiment import routing_experiment
+
+    ensure_ray(args.address, start_local=False)
+    owned = not _running_cluster(args.address)
+    spec = _cluster_spec(args)
+    if owned:
+        print(f"no cluster running: starting {spec.num_replicas} replicas for this run ...", flush=True)
+        deployment = start_cluster(spec)
+    else:
+        deployment = find_cluster()
+    try:
+        run_ids = routing_experiment(deployment, args.routing, args.workload, args.requests, args.load, args.seed,
+                                     config=spec.model_dump() if owned else {"cluster": "already running"})
+    finally:
+        if owned:
+            stop_cluster()
+    store = Path(args.store).resolve() if owned else "the store of the running cluster"
+    print(f"recorded runs {', '.join(map(str, run_ids))} in {store}")
+    ray.shutdown()
+    if args.report:
+        return main(["report", *map(str, run_ids), "--store", str(args.store)])
     return 0
 
 
@@ -54,6 +158,28 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(format_table(report))
     print(f"traces, steps, summary and plot: {out_dir}/")
     return 0
+
+
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    from cluster.store import DEFAULT_STORE
+
+    p.add_argument("--replicas", type=int, default=2, help="replica actors")
+    p.add_argument("--policy", choices=list(POLICIES), default="continuous", help="batching policy of every replica")
+    p.add_argument("--routing", nargs="+", default=["least_loaded"], metavar="POLICY",
+                   help="routing policy (run: one run per policy, same traffic)")
+    p.add_argument("--max-seq-len", type=int, default=640, help="K/V tokens per slot")
+    p.add_argument("--fake-step", type=float, default=None, metavar="SECONDS",
+                   help="serve the flat-cost fake model (each step this long) instead of --model")
+    p.add_argument("--num-cpus", type=float, default=1.0, help="Ray CPUs per replica (= its torch threads)")
+    p.add_argument("--num-gpus", type=float, default=0.0, help="Ray GPUs per replica (1 = model on cuda)")
+    p.add_argument("--store", type=Path, default=DEFAULT_STORE, help="metrics store file (SQLite)")
+    p.add_argument("--seed", type=int, default=0)
+    _engine_args(p)
+
+
+def _address_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=None,
+                   help="Ray cluster HOST:PORT (default: the one `ray start` made on this machine, if any)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="one JSON object per line per prompt")
     g.add_argument("--max-seq-len", type=int, default=1024, help="K/V tokens per slot")
+    g.add_argument("--local", action="store_true", help="run in this process even when a cluster is up")
+    _address_arg(g)
     _engine_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -92,6 +220,38 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for results")
     _engine_args(c)
     c.set_defaults(func=cmd_compare)
+
+    u = sub.add_parser("up", help="start a router and N replicas on a Ray cluster",
+                       description="Start the metrics store, N replica actors and the router on the Ray cluster at "
+                                   "--address, or on this machine (starting `ray start --head` if none runs). "
+                                   "They keep running until `slotserve down`.")
+    _address_arg(u)
+    _cluster_args(u)
+    u.set_defaults(func=cmd_up)
+
+    d = sub.add_parser("down", help="stop the slotserve actors", description="Stop the router, replicas and store.")
+    _address_arg(d)
+    d.set_defaults(func=cmd_down)
+
+    st = sub.add_parser("status", help="replicas, their load, and the router policy")
+    _address_arg(st)
+    st.set_defaults(func=cmd_status)
+
+    r = sub.add_parser("run", help="replay a workload through the cluster and record it",
+                       description="Measure the cluster's capacity, then replay one seeded workload once per --routing "
+                                   "policy, recording every request, token, step and routing decision in the store. "
+                                   "Uses the running cluster, or starts one for this run from the options below.")
+    _address_arg(r)
+    r.add_argument("--workload", choices=["bursty-mix", "long-prompts", "saturated"], default="bursty-mix")
+    r.add_argument("--requests", type=int, default=32)
+    r.add_argument("--load", type=float, default=0.8, help="arrival rate as a multiple of measured cluster capacity")
+    r.add_argument("--report", action="store_true", help="print the report of the runs at the end")
+    _cluster_args(r)
+    r.set_defaults(func=cmd_run)
+
+    from cluster.report import add_report_command
+
+    add_report_command(sub)
     return parser
 
 
@@ -101,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except SlotServeError as err:
         print(f"slotserve: error: {err}", file=sys.stderr)
+        return 2
+    except ValidationError as err:
+        first = err.errors()[0]
+        print(f"slotserve: error: invalid {'.'.join(map(str, first['loc']))}: {first['msg']}", file=sys.stderr)
         return 2
 
 

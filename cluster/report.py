@@ -1,0 +1,229 @@
+"""Goodput analysis of stored runs, for the whole cluster and for each replica, and the
+`slotserve report` command that prints it as a table, CSV or JSON.
+
+Every latency and goodput figure comes from `cluster.metrics.summarize` (the DESIGN.md
+definitions); this module only groups requests and steps by replica and adds what needs the
+steps or the spread across replicas:
+
+- A replica's rows cover the requests routed to it, whatever their end, over its own makespan
+  (its first arrival to its last completion), so per-replica throughputs do not add up to the
+  cluster's. Requests rejected before reaching a replica count only in the cluster row.
+- occupancy: mean over a replica's steps of live_slots / num_slots; the cluster figure is the
+  mean over replicas (the average replica), so a replica that stepped more does not weigh more.
+- slot efficiency: useful rows / computed rows over the steps in scope.
+- imbalance: max over mean across replicas of the requests and of the output tokens each
+  served; 1.0 is perfectly even. Replicas are those named by a request, a step or a routing
+  decision's scores, so an idle replica counts with zero.
+- rejected ('rejected'), failed ('error') and aborted ('abort') requests miss every SLO.
+- preemptions: as the replicas' steps counted them (every step is recorded);
+  `num_preemptions` sums the request rows' counts, which only a client that knew them fills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from cluster.metrics import SLO, RequestTrace, percentiles, slot_efficiency, summarize
+from cluster.store import DEFAULT_STORE, MetricsStore, StoreError
+
+
+def analyze(store: MetricsStore, run_id: int, slo: SLO = SLO()) -> dict:
+    """Throughput, goodput, SLO attainment, latency percentiles, occupancy, slot efficiency
+    and failures of one run, for the cluster and per replica, plus the imbalance across replicas."""
+    run = store.run(run_id)
+    traces, steps = store.traces(run_id), store.steps(run_id)
+    replica_ids = sorted({t.replica for t in traces if t.replica is not None} | {s["replica_id"] for s in steps}
+                         | {r for d in store.decisions(run_id) for r in d["scores"] or {}})
+    replicas = {r: _scope([t for t in traces if t.replica == r], [s for s in steps if s["replica_id"] == r], slo)
+                for r in replica_ids}
+    cluster = _scope(traces, steps, slo)
+    occupancies = [r["occupancy"] for r in replicas.values() if r["occupancy"] is not None]
+    cluster["occupancy"] = float(np.mean(occupancies)) if occupancies else None
+    lateness = [r["submit_lateness"] for r in store.requests(run_id) if r["submit_lateness"] is not None]
+    return {
+        "run_id": run["run_id"], "name": run["name"], "status": run["status"], "complete": run["complete"],
+        "batching_policy": run["batching_policy"], "routing_policy": run["routing_policy"], "seed": run["seed"],
+        "simulated": run["simulated"], "git_commit": run["git_commit"], "slo": asdict(slo),
+        "cluster": cluster,
+        "replicas": replicas,
+        "imbalance": {"requests": _imbalance([r["num_requests"] for r in replicas.values()]),
+                      "output_tokens": _imbalance([r["output_tokens"] for r in replicas.values()])},
+        "submit_lateness": percentiles(lateness),
+    }
+
+
+def _scope(traces: list[RequestTrace], steps: list[dict], slo: SLO) -> dict:
+    """One row of the analysis: the requests and steps of the cluster or of one replica."""
+    if traces:
+        row = summarize(traces, slo).as_dict()
+        del row["slo"]  # stated once per run
+    else:  # an idle replica, or a run killed before any request ended
+        none = percentiles([])
+        row = {"num_requests": 0, "num_served": 0, "output_tokens": 0, "makespan": 0.0, "throughput": 0.0,
+               "goodput": 0.0, "goodput_requests": 0.0, "slo_attainment": None, "ttft": none, "tpot": none,
+               "itl": none, "e2e": none, "num_preemptions": 0}
+    ends = Counter(t.finish_reason for t in traces)
+    ratios = [s["live_slots"] / s["num_slots"] for s in steps if s["num_slots"]]
+    row.update(
+        rejected=ends["rejected"], failed=ends["error"], aborted=ends["abort"], num_steps=len(steps),
+        preemptions=sum(s["preemptions"] or 0 for s in steps),
+        occupancy=float(np.mean(ratios)) if ratios else None,
+        slot_efficiency=slot_efficiency([s["useful_rows"] or 0 for s in steps],
+                                        [s["computed_rows"] or 0 for s in steps]) if steps else None,
+    )
+    return row
+
+
+def _imbalance(served: list[int]) -> float | None:
+    mean = float(np.mean(served)) if served else 0.0
+    return max(served) / mean if mean else None
+
+
+# --- output -----------------------------------------------------------------------------
+
+_COLUMNS = [  # header, width, value of a scope row
+    ("reqs", 5, lambda r: r["num_requests"]),
+    ("rej", 4, lambda r: r["rejected"]),
+    ("fail", 4, lambda r: r["failed"]),
+    ("out tok", 8, lambda r: r["output_tokens"]),
+    ("tok/s", 8, lambda r: f"{r['throughput']:.1f}"),
+    ("good tok/s", 10, lambda r: f"{r['goodput']:.1f}"),
+    ("good req/s", 10, lambda r: f"{r['goodput_requests']:.2f}"),
+    ("SLO met", 7, lambda r: _pct(r["slo_attainment"])),
+    ("TTFT p50", 8, lambda r: _sec(r["ttft"]["p50"])),
+    ("TTFT p99", 8, lambda r: _sec(r["ttft"]["p99"])),
+    ("TPOT p50", 8, lambda r: _sec(r["tpot"]["p50"])),
+    ("TPOT p99", 8, lambda r: _sec(r["tpot"]["p99"])),
+    ("ITL p99", 8, lambda r: _sec(r["itl"]["p99"])),
+    ("E2E p99", 8, lambda r: _sec(r["e2e"]["p99"])),
+    ("occup", 6, lambda r: _pct(r["occupancy"])),
+    ("slot eff", 8, lambda r: _pct(r["slot_efficiency"])),
+    ("preempt", 7, lambda r: r["preemptions"]),
+]
+
+
+def _sec(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def format_report(analyses: list[dict]) -> str:
+    """A table per run: the cluster row, then one row per replica; latencies in seconds."""
+    blocks = []
+    for a in analyses:
+        slo = a["slo"]
+        status = "complete"
+        if not a["complete"]:
+            why = "still running, or stopped before end_run" if a["status"] == "running" else f"ended {a['status']}"
+            status = f"INCOMPLETE ({why}; figures cover what was stored)"
+        name_width = max([7] + [len(r) for r in a["replicas"]])
+        lines = [
+            f"run {a['run_id']} {a['name']!r}: {status}",
+            f"batching {a['batching_policy']}, routing {a['routing_policy']}, seed {a['seed']}"
+            f"{', simulated' if a['simulated'] else ''}, commit {(a['git_commit'] or 'unknown')[:12]}",
+            f"SLO: TTFT <= {slo['ttft']} s, TPOT <= {slo['tpot']} s, E2E "
+            f"{'<= ' + str(slo['e2e']) + ' s' if slo['e2e'] is not None else 'not limited'}; "
+            "rejected, failed and aborted requests miss it",
+            "  ".join([f"{'scope':<{name_width}}"] + [f"{h:>{w}}" for h, w, _ in _COLUMNS]),
+        ]
+        for scope, row in [("cluster", a["cluster"])] + list(a["replicas"].items()):
+            lines.append("  ".join([f"{scope:<{name_width}}"] + [f"{value(row)!s:>{w}}" for _, w, value in _COLUMNS]))
+        lines.append(f"imbalance over {len(a['replicas'])} replicas (max/mean): requests "
+                     f"{_ratio(a['imbalance']['requests'])}, output tokens {_ratio(a['imbalance']['output_tokens'])}")
+        late = a["submit_lateness"]
+        if late["max"] is not None:
+            lines.append(f"driver submit lateness: p99 {_sec(late['p99'])} s, max {_sec(late['max'])} s")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def to_csv(analyses: list[dict]) -> str:
+    """One row per run and scope ('cluster', or 'replica' with its id); percentiles are
+    flattened to columns like ttft_p99; imbalance is on cluster rows only."""
+    rows = []
+    for a in analyses:
+        run = {k: a[k] for k in ("run_id", "name", "status", "complete", "batching_policy", "routing_policy", "seed")}
+        run.update({f"slo_{k}": v for k, v in a["slo"].items()})
+        scopes = [("cluster", "", a["cluster"])] + [("replica", r, row) for r, row in a["replicas"].items()]
+        for scope, replica, row in scopes:
+            flat = {**run, "scope": scope, "replica_id": replica}
+            for key, value in row.items():
+                flat.update({f"{key}_{q}": v for q, v in value.items()} if isinstance(value, dict) else {key: value})
+            if scope == "cluster":
+                flat.update({f"imbalance_{k}": v for k, v in a["imbalance"].items()})
+            rows.append(flat)
+    fields = list(dict.fromkeys(k for row in rows for k in row))
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=fields, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+# --- command line -----------------------------------------------------------------------
+
+def resolve_run(store: MetricsStore, ref: str) -> int:
+    """A RUN argument: a run id, or 'latest' for the most recently begun run."""
+    if ref == "latest":
+        runs = store.runs()
+        if not runs:
+            raise StoreError(f"no runs in {store.path} yet, so there is no 'latest'")
+        return runs[-1]["run_id"]
+    try:
+        return int(ref)
+    except ValueError:
+        raise StoreError(f"RUN must be a run id or 'latest'; got {ref!r}") from None
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    if not args.store.is_file():
+        raise StoreError(f"no metrics store at {args.store} (runs write to {DEFAULT_STORE} by default; "
+                         "pass --store PATH)")
+    store = MetricsStore(args.store)
+    slo = SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e)
+    analyses = [analyze(store, resolve_run(store, ref), slo) for ref in args.runs]
+    if args.json:
+        print(json.dumps(analyses, indent=2))
+    elif args.csv:
+        sys.stdout.write(to_csv(analyses))
+    else:
+        print(format_report(analyses))
+    return 0
+
+
+def add_report_command(subparsers: argparse._SubParsersAction) -> None:
+    """Register `slotserve report` on the CLI's subparsers."""
+    p = subparsers.add_parser(
+        "report", help="goodput, latency, occupancy and balance of stored runs",
+        description="Analyse runs in the metrics store, for the cluster and for each replica: throughput, goodput "
+                    "and SLO attainment, TTFT/TPOT/ITL/E2E percentiles (p50, p90, p99, max), occupancy, slot "
+                    "efficiency, preemptions, rejected and failed requests, and the imbalance across replicas.")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run id, or 'latest' for the most recently begun run")
+    p.add_argument("--store", type=Path, default=DEFAULT_STORE, metavar="PATH",
+                   help="metrics store file (default: %(default)s)")
+    p.add_argument("--slo-ttft", type=float, default=SLO.ttft, metavar="S",
+                   help="TTFT limit in seconds (default: %(default)s)")
+    p.add_argument("--slo-tpot", type=float, default=SLO.tpot, metavar="S",
+                   help="TPOT limit in seconds (default: %(default)s)")
+    p.add_argument("--slo-e2e", type=float, default=SLO.e2e, metavar="S",
+                   help="end-to-end latency limit in seconds (default: no limit)")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--csv", action="store_true", help="one CSV row per run and scope instead of the table")
+    fmt.add_argument("--json", action="store_true", help="the full analyses as JSON instead of the table")
+    p.set_defaults(func=cmd_report)

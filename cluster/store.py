@@ -1,0 +1,355 @@
+"""The metrics store: one SQLite file holding every run's requests, token times, engine
+steps and routing decisions, so runs can be compared by run id long after they ended.
+
+Why SQLite (stdlib `sqlite3`): it is embedded (no server to start next to Ray), in the
+standard library, a single file that can be copied next to a plot, transactional, and fine
+with one writer. The store has exactly one writer: the `StoreActor` (cluster/store_actor.py)
+that replicas, router and driver send batches to. WAL mode lets `slotserve report` read the
+file while a run is still writing it, and a process killed mid-batch leaves the file valid
+with every committed batch intact (WAL with synchronous=NORMAL loses nothing on a process
+crash; only a power cut can drop the last commits).
+
+Each `add_*` call writes its batch in one transaction: a writer killed in the middle leaves
+either the whole batch or none of it. Rows are dicts keyed by column name; an unknown key is
+an error naming it, so a renamed field cannot silently turn into NULLs. JSON columns take a
+dict (or its JSON text) and read back as a dict.
+
+Schema (see `SCHEMA`; times are seconds on the writer's clock, `time.time()` in the cluster):
+
+- runs: one row per run. `status` is 'running' from `begin_run` until `end_run` writes the
+  final one ('complete', 'failed' or 'aborted'). The store cannot tell a run still in
+  progress from one whose driver died (SIGKILL, Ctrl-C) before `end_run`: both keep
+  'running' and `ended` NULL. Reads add `complete` (True only after
+  `end_run(status='complete')`); analyses treat every other run as incomplete.
+  `config`, `slo` and `machine` are JSON objects.
+- requests: one row per request at its final event, client-side times: `arrival` (what
+  TTFT/E2E are measured from), `planned_arrival` (the workload's schedule) and
+  `submit_lateness` (how late the driver submitted it), `first_token`, `completion`.
+  `replica_id` is NULL for a request rejected before it reached a replica.
+- tokens: every output token's client-side arrival time, `idx` from 0.
+- steps: one row per engine step of a replica (replica clock): slots live and total, queue
+  depth, decode and prefill tokens, useful and computed rows, preemptions.
+- decisions: one row per routing decision: the policy, the replica picked, every replica's
+  score and in-flight count (JSON objects keyed by replica id), and `signal_age`, the age of
+  the oldest load report the decision used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
+
+from cluster.metrics import RequestTrace
+from replica.errors import SlotServeError
+
+DEFAULT_STORE = Path("results/slotserve.db")
+SCHEMA_VERSION = 1
+END_STATUSES = ("complete", "failed", "aborted")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id INTEGER PRIMARY KEY,
+    name TEXT,
+    started REAL NOT NULL,
+    ended REAL,                      -- NULL until end_run
+    status TEXT NOT NULL,            -- 'running' until end_run: 'complete' | 'failed' | 'aborted'
+    config TEXT,                     -- JSON object
+    batching_policy TEXT,
+    routing_policy TEXT,
+    seed INTEGER,
+    git_commit TEXT,                 -- HEAD, '-dirty' if the tree had changes; 'unknown' outside git
+    machine TEXT,                    -- JSON object: hostname, platform, cpus, memory, GPUs
+    simulated INTEGER NOT NULL DEFAULT 0,
+    slo TEXT                         -- JSON object or NULL
+);
+CREATE TABLE IF NOT EXISTS requests (
+    run_id INTEGER NOT NULL REFERENCES runs(run_id),
+    request_id TEXT NOT NULL,
+    replica_id TEXT,                 -- NULL if rejected before reaching a replica
+    session_id TEXT,
+    planned_arrival REAL,
+    arrival REAL NOT NULL,
+    submit_lateness REAL,
+    first_token REAL,
+    completion REAL NOT NULL,
+    prompt_len INTEGER,
+    output_len INTEGER,
+    max_tokens INTEGER,
+    finish_reason TEXT NOT NULL,     -- eos | stop | length | abort | error | rejected
+    error TEXT,
+    num_preemptions INTEGER,
+    PRIMARY KEY (run_id, request_id)
+);
+CREATE TABLE IF NOT EXISTS tokens (
+    run_id INTEGER NOT NULL REFERENCES runs(run_id),
+    request_id TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    time REAL NOT NULL,
+    PRIMARY KEY (run_id, request_id, idx)
+);
+CREATE TABLE IF NOT EXISTS steps (
+    run_id INTEGER NOT NULL REFERENCES runs(run_id),
+    replica_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    time REAL,
+    duration REAL,
+    live_slots INTEGER,
+    num_slots INTEGER,
+    queue_depth INTEGER,
+    decode_tokens INTEGER,
+    prefill_tokens INTEGER,
+    useful_rows INTEGER,
+    computed_rows INTEGER,
+    preemptions INTEGER
+);
+CREATE INDEX IF NOT EXISTS steps_by_run ON steps (run_id, replica_id, step);
+CREATE TABLE IF NOT EXISTS decisions (
+    run_id INTEGER NOT NULL REFERENCES runs(run_id),
+    request_id TEXT NOT NULL,
+    time REAL,
+    policy TEXT,
+    replica_id TEXT,
+    scores TEXT,                     -- JSON object: replica id -> score
+    signal_age REAL,                 -- seconds, oldest load report used
+    in_flight TEXT                   -- JSON object: replica id -> requests in flight
+);
+CREATE INDEX IF NOT EXISTS decisions_by_run ON decisions (run_id, time);
+"""
+
+# Columns a batch row may carry (run_id comes from the call), the ones it must carry, and
+# the ones stored as JSON text.
+_COLUMNS = {
+    "requests": ("request_id", "replica_id", "session_id", "planned_arrival", "arrival", "submit_lateness",
+                 "first_token", "completion", "prompt_len", "output_len", "max_tokens", "finish_reason", "error",
+                 "num_preemptions"),
+    "steps": ("replica_id", "step", "time", "duration", "live_slots", "num_slots", "queue_depth", "decode_tokens",
+              "prefill_tokens", "useful_rows", "computed_rows", "preemptions"),
+    "decisions": ("request_id", "time", "policy", "replica_id", "scores", "signal_age", "in_flight"),
+}
+_REQUIRED = {
+    "requests": ("request_id", "arrival", "completion", "finish_reason"),
+    "steps": ("replica_id", "step"),
+    "decisions": ("request_id",),
+}
+_JSON = {"config", "machine", "slo", "scores", "in_flight"}
+
+
+class StoreError(SlotServeError):
+    """The metrics store is missing, not a slotserve store, or was given a bad batch."""
+
+
+class UnknownRunError(StoreError, KeyError):
+    """No run has this id; the message lists the ids the store holds."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class MetricsStore:
+    """One SQLite file of runs. Use from one process at a time for writes (the StoreActor);
+    any number of readers may open the same file."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            # check_same_thread=False: a Ray actor may call from a thread other than the one
+            # that built it; its calls never overlap, so one connection is safe.
+            self.conn = sqlite3.connect(self.path, timeout=30, check_same_thread=False)
+            self.conn.row_factory = sqlite3.Row
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=NORMAL")
+            self.conn.execute("PRAGMA foreign_keys=ON")
+            version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+            if version == 0:  # a new file; an existing store is only read here, never locked
+                self.conn.executescript(f"BEGIN;\n{SCHEMA}\nPRAGMA user_version={SCHEMA_VERSION};\nCOMMIT;")
+            elif version != SCHEMA_VERSION:
+                raise StoreError(f"{self.path} has store schema version {version}; this slotserve reads "
+                                 f"version {SCHEMA_VERSION}")
+        except sqlite3.DatabaseError as err:
+            raise StoreError(f"cannot open {self.path} as a slotserve metrics store: {err}") from err
+
+    def close(self) -> None:
+        self.conn.close()
+
+    # --- writes -------------------------------------------------------------------------
+
+    def begin_run(self, name: str, config: dict, batching_policy: str, routing_policy: str, seed: int,
+                  slo: dict | None = None, simulated: bool = False) -> int:
+        """Record a new run as 'running' with the code version and machine; returns its id."""
+        row = {"name": name, "started": time.time(), "status": "running", "config": config,
+               "batching_policy": batching_policy, "routing_policy": routing_policy, "seed": seed,
+               "git_commit": _git_commit(), "machine": _machine(), "simulated": int(simulated), "slo": slo}
+        with self.conn:
+            cur = self.conn.execute(f"INSERT INTO runs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+                                    [_encode(k, v) for k, v in row.items()])
+        return cur.lastrowid
+
+    def end_run(self, run_id: int, status: str = "complete") -> None:
+        """Stamp the run's end time and final status (one of END_STATUSES)."""
+        if status not in END_STATUSES:
+            raise StoreError(f"end_run status must be one of {', '.join(END_STATUSES)}; got {status!r}")
+        with self.conn:
+            cur = self.conn.execute("UPDATE runs SET ended = ?, status = ? WHERE run_id = ?",
+                                    (time.time(), status, run_id))
+        if cur.rowcount == 0:
+            raise self._unknown_run(run_id)
+
+    def add_requests(self, run_id: int, rows: list[dict]) -> None:
+        """Write final request records; a row's optional `token_times` list goes to the tokens
+        table (and fills `first_token` and `output_len` when the row leaves them out)."""
+        requests, tokens = [], []
+        for row in rows:
+            row = dict(row)
+            token_times = row.pop("token_times", None)
+            if token_times is not None:
+                if token_times:
+                    row.setdefault("first_token", token_times[0])
+                row.setdefault("output_len", len(token_times))
+                tokens += [(run_id, row.get("request_id"), i, t) for i, t in enumerate(token_times)]
+            requests.append(row)
+        self._write(run_id, [_batch("requests", run_id, requests), ("INSERT INTO tokens VALUES (?, ?, ?, ?)", tokens)])
+
+    def add_steps(self, run_id: int, rows: list[dict]) -> None:
+        self._write(run_id, [_batch("steps", run_id, rows)])
+
+    def add_decisions(self, run_id: int, rows: list[dict]) -> None:
+        self._write(run_id, [_batch("decisions", run_id, rows)])
+
+    def _write(self, run_id: int, batches: list[tuple[str, list]]) -> None:
+        """Run every (sql, rows) batch in one transaction: all of it lands or none of it."""
+        self.run(run_id)  # an unknown run id is named before anything is written
+        try:
+            with self.conn:
+                for sql, params in batches:
+                    self.conn.executemany(sql, params)
+        except sqlite3.IntegrityError as err:
+            raise StoreError(f"batch for run {run_id} not written (a row is already stored?): {err}") from err
+
+    # --- reads --------------------------------------------------------------------------
+
+    def runs(self) -> list[dict]:
+        return [_run_dict(r) for r in self.conn.execute("SELECT * FROM runs ORDER BY run_id")]
+
+    def run(self, run_id: int) -> dict:
+        row = self.conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        if row is None:
+            raise self._unknown_run(run_id)
+        return _run_dict(row)
+
+    def traces(self, run_id: int) -> list[RequestTrace]:
+        """The run's requests as `RequestTrace`s (token times in idx order), by request id."""
+        self.run(run_id)
+        times: dict[str, list[float]] = {}
+        for request_id, t in self.conn.execute(
+                "SELECT request_id, time FROM tokens WHERE run_id = ? ORDER BY request_id, idx", (run_id,)):
+            times.setdefault(request_id, []).append(t)
+        return [
+            RequestTrace(r["request_id"], r["arrival"], times.get(r["request_id"], []), r["completion"],
+                         r["finish_reason"], r["prompt_len"] or 0, r["replica_id"], r["num_preemptions"] or 0)
+            for r in self.conn.execute("SELECT * FROM requests WHERE run_id = ? ORDER BY request_id", (run_id,))
+        ]
+
+    def requests(self, run_id: int) -> list[dict]:
+        """The run's request rows as stored (with planned arrival and submit lateness)."""
+        self.run(run_id)
+        return [dict(r) for r in self.conn.execute(
+            "SELECT * FROM requests WHERE run_id = ? ORDER BY request_id", (run_id,))]
+
+    def steps(self, run_id: int) -> list[dict]:
+        self.run(run_id)
+        return [dict(r) for r in self.conn.execute(
+            "SELECT * FROM steps WHERE run_id = ? ORDER BY replica_id, step", (run_id,))]
+
+    def decisions(self, run_id: int) -> list[dict]:
+        self.run(run_id)
+        return [{k: _decode(k, r[k]) for k in r.keys()} for r in self.conn.execute(
+            "SELECT * FROM decisions WHERE run_id = ? ORDER BY time, rowid", (run_id,))]
+
+    def _unknown_run(self, run_id: int) -> UnknownRunError:
+        known = [r[0] for r in self.conn.execute("SELECT run_id FROM runs ORDER BY run_id")]
+        listed = ", ".join(map(str, known)) if known else "none"
+        return UnknownRunError(f"no run {run_id} in {self.path}; runs stored: {listed}")
+
+
+def open_store(path: str | Path = DEFAULT_STORE) -> MetricsStore:
+    """Open (creating the file and its parent folders if needed) the store at `path`."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return MetricsStore(path)
+
+
+def _batch(table: str, run_id: int, rows: list[dict]) -> tuple[str, list]:
+    """The INSERT statement and parameter rows for a batch, after checking every row's keys."""
+    columns, required = _COLUMNS[table], _REQUIRED[table]
+    for n, row in enumerate(rows):
+        unknown = [k for k in row if k not in columns]
+        if unknown:
+            raise StoreError(f"{table} row {n}: unknown column {unknown[0]!r}; known: {', '.join(columns)}")
+        missing = [k for k in required if row.get(k) is None]
+        if missing:
+            raise StoreError(f"{table} row {n}: missing required column {missing[0]!r}")
+    sql = f"INSERT INTO {table} (run_id, {', '.join(columns)}) VALUES (?{', ?' * len(columns)})"
+    return sql, [[run_id] + [_encode(c, row.get(c)) for c in columns] for row in rows]
+
+
+def _encode(column: str, value):
+    """JSON columns take a dict, or its JSON text as is (never encoded twice)."""
+    if column not in _JSON or value is None:
+        return value
+    if isinstance(value, str):
+        try:
+            decoded = json.loads(value)
+        except ValueError:
+            decoded = None
+        if not isinstance(decoded, dict):
+            raise StoreError(f"column {column!r} takes a dict or a JSON object's text; got {value[:80]!r}")
+        return value
+    return json.dumps(value)
+
+
+def _decode(column: str, value):
+    return json.loads(value) if column in _JSON and value is not None else value
+
+
+def _run_dict(row: sqlite3.Row) -> dict:
+    run = {k: _decode(k, row[k]) for k in row.keys()}
+    run["simulated"] = bool(run["simulated"])
+    run["complete"] = run["status"] == "complete"
+    return run
+
+
+def _git_commit() -> str:
+    """HEAD of the checkout this code runs from, with '-dirty' if it has uncommitted changes,
+    so a run is never credited to a commit that lacks the code it ran."""
+    cwd = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=cwd, capture_output=True, timeout=10)
+        return head.stdout.strip() + ("-dirty" if dirty.returncode == 1 else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def _machine() -> dict:
+    """What results depend on: host, OS, Python, CPUs this process may use, memory, GPUs."""
+    machine = {"hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+               "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine()}
+    if hasattr(os, "sched_getaffinity"):
+        machine["cpus_usable"] = len(os.sched_getaffinity(0))
+    if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        machine["memory_gib"] = round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=10).stdout
+            machine["gpus"] = [line.strip() for line in out.splitlines() if line.strip()]
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return machine

@@ -1,0 +1,32 @@
+"""The metrics store as a Ray actor: the store's one writer, which replicas, router and driver
+on any node push batches to. It delegates every call to a `MetricsStore` and adds nothing.
+
+Start it on the node whose disk holds the file, with an absolute path (the actor's working
+directory is Ray's, not the caller's); cluster/deploy.py does both."""
+
+from __future__ import annotations
+
+import ray
+
+from cluster.metrics import RequestTrace
+from cluster.store import open_store
+
+STORE_ACTOR_NAME = "slotserve-store"
+
+
+@ray.remote(num_cpus=0)
+class StoreActor:
+    def __init__(self, path: str):
+        self.store = open_store(path)
+
+    def begin_run(self, *args, **kwargs) -> int: return self.store.begin_run(*args, **kwargs)
+    def end_run(self, run_id: int, status: str = "complete") -> None: self.store.end_run(run_id, status)
+    def add_requests(self, run_id: int, rows: list[dict]) -> None: self.store.add_requests(run_id, rows)
+    def add_steps(self, run_id: int, rows: list[dict]) -> None: self.store.add_steps(run_id, rows)
+    def add_decisions(self, run_id: int, rows: list[dict]) -> None: self.store.add_decisions(run_id, rows)
+    def runs(self) -> list[dict]: return self.store.runs()
+    def run(self, run_id: int) -> dict: return self.store.run(run_id)
+    def traces(self, run_id: int) -> list[RequestTrace]: return self.store.traces(run_id)
+    def requests(self, run_id: int) -> list[dict]: return self.store.requests(run_id)
+    def steps(self, run_id: int) -> list[dict]: return self.store.steps(run_id)
+    def decisions(self, run_id: int) -> list[dict]: return self.store.decisions(run_id)

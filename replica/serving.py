@@ -1,0 +1,152 @@
+"""The serving loop of one replica: the engine stepping in a background thread while
+requests arrive and tokens stream out on an asyncio event loop. No Ray here; `actor.py`
+wraps this in a Ray actor.
+
+The engine is not thread-safe, so it is only touched between steps: submissions and aborts
+wait in an inbox that the loop applies before each step, and each step runs in one worker
+thread (torch releases the GIL inside its kernels, so the event loop keeps streaming).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from replica.engine import Engine, EngineConfig, RequestOutput, StepRecord
+from replica.request import SamplingParams
+
+
+class ReplicaConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    fake_step_seconds: float | None = Field(
+        None, gt=0, description="serve the flat-cost fake model (every step this long) instead of a real one")
+
+
+def build_engine(config: ReplicaConfig) -> Engine:
+    if config.fake_step_seconds is None:
+        return Engine(config.engine)
+    from replica.clock import WallClock
+    from replica.fake_model import FlatCostModel, ScriptedFakeRunner
+
+    clock = WallClock()
+    return Engine(config.engine, ScriptedFakeRunner(clock, FlatCostModel(config.fake_step_seconds)), clock)
+
+
+@dataclass
+class LoadSnapshot:
+    queue_depth: int
+    running: int
+    free_slots: int
+    num_slots: int
+    free_kv_tokens: int
+    time: float
+
+
+@dataclass
+class _Submission:
+    prompt: str | list[int]
+    params: SamplingParams | dict | None
+    request_id: str
+    arrival_time: float | None
+    accepted: asyncio.Future
+    outputs: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, on_step: Callable[[StepRecord], None] | None = None,
+                 on_finish: Callable[[RequestOutput], None] | None = None,
+                 on_load: Callable[[LoadSnapshot], None] | None = None):
+        self.engine = engine
+        self._on_step = on_step or (lambda record: None)
+        self._on_finish = on_finish or (lambda output: None)
+        self._on_load = on_load or (lambda load: None)
+        self._inbox: list[_Submission | str] = []  # submissions, or request ids to abort
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._task: asyncio.Task | None = None
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | dict | None, request_id: str,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield this request's outputs as steps make them; the last has finished=True.
+        Raises InvalidRequestError (before any output) when the engine rejects it."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        sub = _Submission(prompt, params, request_id, arrival_time, loop.create_future(), asyncio.Queue())
+        self._inbox.append(sub)
+        self._wake.set()
+        await sub.accepted
+        finished = False
+        try:
+            while not finished:
+                output = await sub.outputs.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:  # the consumer went away: stop computing for it
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.append(request_id)
+        self._wake.set()
+
+    def load(self) -> LoadSnapshot:
+        s = self.engine.scheduler
+        return LoadSnapshot(len(s.waiting) + sum(isinstance(i, _Submission) for i in self._inbox), len(s.running),
+                            s.slots.num_free_slots, s.slots.num_slots, s.slots.free_kv_tokens, self.engine.clock.now())
+
+    def _apply_inbox(self) -> None:
+        inbox, self._inbox = self._inbox, []
+        for item in inbox:
+            if isinstance(item, str):
+                if (final := self.engine.abort(item)) is not None:
+                    self._deliver(final)
+                continue
+            try:
+                self.engine.add_request(item.prompt, item.params, item.request_id, item.arrival_time)
+            except Exception as err:  # noqa: BLE001 - the caller gets the error; the loop goes on
+                item.accepted.set_exception(err)
+                continue
+            self._streams[item.request_id] = item.outputs
+            item.accepted.set_result(None)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is not None:
+            stream.put_nowait(output)
+        if output.finished:
+            self._streams.pop(output.request_id, None)
+            self._on_finish(output)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._apply_inbox()
+            if not self.engine.has_unfinished:
+                self._on_load(self.load())
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            result = await loop.run_in_executor(self._executor, self.engine.step)
+            for output in result.outputs:
+                self._deliver(output)
+            if result.record is not None:
+                self._on_step(result.record)
+                self._on_load(self.load())
+                continue
+            # Nothing could run (a static batch filling up): sleep until the policy's timer
+            # or until something new arrives.
+            wake = self.engine.scheduler.wake_time()
+            timeout = None if wake is None else max(0.0, wake - self.engine.clock.now())
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass

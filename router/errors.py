@@ -1,0 +1,6 @@
+"""The router's one error type. It says what was asked for and what is allowed."""
+
+
+class RoutingError(ValueError):
+    """An unknown policy or replica, no replicas at all, a duplicate request id, or a
+    malformed load report."""

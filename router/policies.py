@@ -1,0 +1,152 @@
+"""The routing policies compared by slotserve. Each scores every replica (lower is better)
+from the router's load view and the base class picks the lowest, so a decision can be logged
+with all its scores and two policies differ in their scoring and nothing else.
+
+Ties go to the first tied replica at or after a cursor that moves past every choice, so equal
+replicas take turns rather than the first one filling up; the order is deterministic.
+
+Policies are pure: no Ray, no clock of their own (report ages come in the views), randomness
+from a seeded `random.Random`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import OrderedDict
+
+from router.errors import RoutingError
+from router.load import ReplicaView, RouteRequest
+
+
+class RoutingPolicy:
+    name: str = ""
+    uses_load = True  # whether decisions depend on load reports (else their signal age is None)
+
+    def __init__(self, seed: int = 0):
+        self.rng = random.Random(seed)
+        self._cursor = 0
+
+    def choose(self, request: RouteRequest, views: list[ReplicaView]) -> tuple[int, list[float]]:
+        """Index of the chosen replica in `views`, and one score per replica."""
+        scores = self.scores(request, views)
+        return self._pick(scores), scores
+
+    def scores(self, request: RouteRequest, views: list[ReplicaView]) -> list[float]:
+        raise NotImplementedError
+
+    def _pick(self, scores: list[float]) -> int:
+        best = min(scores)
+        n = len(scores)
+        index = next(i for i in ((self._cursor + k) % n for k in range(n)) if scores[i] == best)
+        self._cursor = (index + 1) % n
+        return index
+
+
+class RoundRobin(RoutingPolicy):
+    """Each replica in turn, load ignored. Score: position in the rotation (0 is next)."""
+
+    name = "round_robin"
+    uses_load = False
+
+    def scores(self, request: RouteRequest, views: list[ReplicaView]) -> list[float]:
+        return [float((i - self._cursor) % len(views)) for i in range(len(views))]
+
+
+class RandomChoice(RoutingPolicy):
+    """Uniformly at random, load ignored. Score: the random draw."""
+
+    name = "random"
+    uses_load = False
+
+    def scores(self, request: RouteRequest, views: list[ReplicaView]) -> list[float]:
+        return [self.rng.random() for _ in views]
+
+
+class LeastQueue(RoutingPolicy):
+    """Shortest estimated queue (reported queue plus in-flight requests that found no free
+    slot); free slots beyond an empty queue do not count."""
+
+    name = "least_queue"
+
+    def scores(self, request: RouteRequest, views: list[ReplicaView]) -> list[float]:
+        return [float(v.est_queue) for v in views]
+
+
+class MostFreeSlots(RoutingPolicy):
+    """Most estimated free slots (reported free slots less in-flight requests not yet seen)."""
+
+    name = "most_free_slots"
+
+    def scores(self, request: RouteRequest, views: list[ReplicaView]) -> list[float]:
+        return [-float(v.est_free_slots) for v in views]
+
+
+class LeastLoaded(RoutingPolicy):
+    """The default: queue depth and free slots together, as `ReplicaView.load_score` =
+    estimated queue - estimated free slots (how far a new request would be from a slot).
+    Running requests add nothing apart: on replicas of one size running = slots - free, so
+    counting them too would not change the ranking."""
+
+    name = "least_loaded"
+
+    def scores(self, request: RouteRequest, views: list[ReplicaView]) -> list[float]:
+        return [v.load_score for v in views]
+
+
+class PowerOfTwo(RoutingPolicy):
+    """Two replicas sampled at random, the less loaded of them taken (as Ray Serve does): it
+    needs a fresh look at only two replicas. Unsampled replicas score +inf."""
+
+    name = "power_of_two"
+
+    def scores(self, request: RouteRequest, views: list[ReplicaView]) -> list[float]:
+        sampled = set(self.rng.sample(range(len(views)), min(2, len(views))))
+        return [v.load_score if i in sampled else math.inf for i, v in enumerate(views)]
+
+
+class SessionAffinity(RoutingPolicy):
+    """Requests of one session go to the replica its last request went to (warm prefix cache,
+    ordered turns) while that replica is not overloaded: its load score exceeds the least
+    loaded replica's by more than `overload_margin` requests. Otherwise, and for requests
+    without a session, least loaded; the session then sticks to the new replica. The
+    session table keeps the `max_sessions` most recently used sessions."""
+
+    name = "session_affinity"
+
+    def __init__(self, seed: int = 0, overload_margin: float = 4.0, max_sessions: int = 100_000):
+        super().__init__(seed)
+        self.overload_margin = overload_margin
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, str] = OrderedDict()  # session id -> replica id
+
+    def choose(self, request: RouteRequest, views: list[ReplicaView]) -> tuple[int, list[float]]:
+        scores = [v.load_score for v in views]
+        session = request.session_id
+        if session is None:
+            return self._pick(scores), scores
+        sticky = self._sessions.get(session)
+        index = next((i for i, v in enumerate(views) if v.replica_id == sticky), None)
+        if index is None or scores[index] > min(scores) + self.overload_margin:
+            index = self._pick(scores)
+        self._sessions[session] = views[index].replica_id
+        self._sessions.move_to_end(session)
+        if len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+        return index, scores
+
+
+ROUTING_POLICIES: dict[str, type[RoutingPolicy]] = {
+    cls.name: cls
+    for cls in (RoundRobin, RandomChoice, LeastQueue, MostFreeSlots, LeastLoaded, PowerOfTwo, SessionAffinity)
+}
+
+DEFAULT_POLICY = LeastLoaded.name
+
+
+def make_routing_policy(name: str, seed: int = 0) -> RoutingPolicy:
+    try:
+        cls = ROUTING_POLICIES[name]
+    except KeyError:
+        raise RoutingError(f"unknown routing policy {name!r}; choose one of {', '.join(ROUTING_POLICIES)}") from None
+    return cls(seed=seed)

@@ -1,0 +1,113 @@
+"""The replica's serving loop (no Ray): concurrent requests stream their tokens while the
+engine steps in a background thread; bad requests are refused without disturbing the
+others; a consumer that goes away aborts its request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from replica import Engine, EngineConfig, FinishReason, InvalidRequestError, WallClock
+from replica.fake_model import FlatCostModel, ScriptedFakeRunner
+from replica.serving import AsyncEngine, ReplicaConfig, build_engine
+
+
+def make(policy: str = "continuous", slots: int = 4, step: float = 0.002, **kw):
+    clock = WallClock()
+    runner = ScriptedFakeRunner(clock, FlatCostModel(step))
+    finished, steps, loads = [], [], []
+    serving = AsyncEngine(Engine(EngineConfig(policy=policy, num_slots=slots, max_seq_len=128, **kw), runner, clock),
+                          steps.append, finished.append, loads.append)
+    return serving, runner, finished, steps, loads
+
+
+def expected(runner, prompt, n):
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(runner.next_token(ids))
+    return ids[len(prompt):]
+
+
+async def collect(serving, prompt, n, rid):
+    outs = [o async for o in serving.generate(prompt, {"max_tokens": n, "ignore_eos": True}, rid)]
+    return outs
+
+
+def test_concurrent_requests_stream_their_own_tokens():
+    """12 requests on 4 slots: each gets its tokens one per event, in order, then one final event;
+    the step and finish callbacks see every step and every request."""
+    serving, runner, finished, steps, loads = make()
+
+    async def main():
+        prompts = [[i + 1] * (i + 2) for i in range(12)]
+        results = await asyncio.gather(*[collect(serving, p, 5 + i, f"r{i}") for i, p in enumerate(prompts)])
+        return prompts, results
+
+    prompts, results = asyncio.run(asyncio.wait_for(main(), 60))
+    for i, (prompt, outs) in enumerate(zip(prompts, results)):
+        assert [t for o in outs for t in o.new_token_ids] == expected(runner, prompt, 5 + i)
+        assert all(len(o.new_token_ids) == 1 for o in outs)
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert outs[-1].finish_reason is FinishReason.LENGTH
+    assert sorted(o.request_id for o in finished) == sorted(f"r{i}" for i in range(12))
+    assert max(s.live_slots for s in steps) == 4
+    assert loads and loads[-1].free_slots == 4 and loads[-1].running == 0
+
+
+def test_bad_request_is_refused_and_others_finish():
+    """A bad request raises InvalidRequestError at its caller only; concurrent good ones finish."""
+    serving, runner, _, _, _ = make()
+
+    async def bad():
+        return [o async for o in serving.generate([], {"max_tokens": 3}, "bad")]
+
+    async def main():
+        return await asyncio.gather(collect(serving, [1, 2], 6, "a"), bad(), collect(serving, [3], 4, "b"),
+                                    return_exceptions=True)
+
+    a, err, b = asyncio.run(asyncio.wait_for(main(), 60))
+    assert isinstance(err, InvalidRequestError) and err.field == "prompt"
+    assert [t for o in a for t in o.new_token_ids] == expected(runner, [1, 2], 6)
+    assert [t for o in b for t in o.new_token_ids] == expected(runner, [3], 4)
+
+
+def test_consumer_that_stops_reading_aborts_its_request():
+    """Closing the stream early aborts the request: its slot is freed and it ends with ABORT."""
+    serving, _, finished, _, _ = make(step=0.005)
+
+    async def main():
+        stream = serving.generate([5, 6], {"max_tokens": 100, "ignore_eos": True}, "x")
+        await stream.__anext__()
+        await stream.aclose()
+        for _ in range(200):
+            if finished:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    assert [o.finish_reason for o in finished] == [FinishReason.ABORT]
+    assert serving.engine.scheduler.slots.num_free_slots == 4
+
+
+def test_dynamic_policy_wakes_on_its_timer():
+    """With 'dynamic', a lone request waits max_wait for company, then runs without any new arrival."""
+    serving, runner, _, steps, _ = make(policy="dynamic", max_wait=0.1)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        outs = await collect(serving, [7], 3, "lone")
+        return outs, loop.time() - start
+
+    outs, elapsed = asyncio.run(asyncio.wait_for(main(), 60))
+    assert [t for o in outs for t in o.new_token_ids] == expected(runner, [7], 3)
+    assert elapsed >= 0.1
+
+
+def test_build_engine_picks_the_fake_model():
+    """ReplicaConfig.fake_step_seconds serves the flat-cost fake model (no weights loaded)."""
+    engine = build_engine(ReplicaConfig(fake_step_seconds=0.01))
+    assert isinstance(engine.runner, ScriptedFakeRunner) and engine.runner.cost.step_seconds == 0.01
+    with pytest.raises(ValueError):
+        ReplicaConfig(fake_step_seconds=0)
