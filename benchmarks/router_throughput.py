@@ -119,6 +119,7 @@ def actor_rates(policy: str, replicas: int, batch_size: int, batches: int, seria
     try:
         handles = {f"r{i}": NullReplica.remote() for i in range(replicas)}
         router = RouterActor.remote(handles, policy=policy, store=NullStore.remote())
+        ray.get(router.set_run.remote(1))  # decisions are shipped to the store only inside a run
         results = {"RouterActor": measure_calls(router, batch_size, batches, serial)}
         ray.get(router.flush.remote())
         status = ray.get(router.status.remote())

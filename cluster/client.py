@@ -18,9 +18,9 @@ import ray
 
 from replica.errors import SlotServeError
 from replica.request import SamplingParams
+from router.actor import ROUTER_ACTOR_NAME
 
 NAMESPACE = "slotserve"
-ROUTER_NAME = "slotserve-router"
 
 
 class ClusterError(SlotServeError):
@@ -52,7 +52,7 @@ def connect(address: str | None = None) -> None:
 
 def router_handle():
     try:
-        return ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+        return ray.get_actor(ROUTER_ACTOR_NAME, namespace=NAMESPACE)
     except ValueError:
         raise ClusterError("no slotserve router on this Ray cluster: start one with `slotserve up`") from None
 

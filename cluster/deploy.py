@@ -16,12 +16,12 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.client import NAMESPACE, ROUTER_NAME, ClusterError, connect, router_handle
+from cluster.client import NAMESPACE, ClusterError, connect, router_handle
 from cluster.store import DEFAULT_STORE
 from cluster.store_actor import STORE_ACTOR_NAME, StoreActor
 from replica.actor import ReplicaActor
 from replica.serving import ReplicaConfig
-from router.actor import RouterActor
+from router.actor import ROUTER_ACTOR_NAME, RouterActor
 
 REPLICA_PREFIX = "slotserve-replica-"
 READY_TIMEOUT = 600  # seconds: a replica converting the default model on first use takes ~40 s
@@ -74,7 +74,7 @@ def start_cluster(spec: ClusterSpec, detached: bool = False) -> Deployment:
     make_routing_policy(spec.routing_policy)  # an unknown name fails here, before any actor starts
     lifetime = {"lifetime": "detached"} if detached else {}
     try:
-        ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+        ray.get_actor(ROUTER_ACTOR_NAME, namespace=NAMESPACE)
         raise ClusterError("a slotserve cluster is already running here: `slotserve down` first")
     except ValueError:
         pass
@@ -89,7 +89,7 @@ def start_cluster(spec: ClusterSpec, detached: bool = False) -> Deployment:
         ).remote(f"replica-{i}", spec.replica.model_dump())
         for i in range(spec.num_replicas)
     }
-    router = RouterActor.options(name=ROUTER_NAME, namespace=NAMESPACE, **lifetime).remote(
+    router = RouterActor.options(name=ROUTER_ACTOR_NAME, namespace=NAMESPACE, **lifetime).remote(
         replicas, spec.routing_policy, spec.seed, store)
     try:
         ray.get([r.attach.remote(router, store) for r in replicas.values()], timeout=READY_TIMEOUT)

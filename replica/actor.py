@@ -35,8 +35,11 @@ class ReplicaActor:
         self._last_report = 0.0
 
     def attach(self, router=None, store=None) -> None:
-        """Given after creation, since the router is made from the replicas' handles."""
+        """Given after creation, since the router is made from the replicas' handles. The
+        first load report goes out now, so the router knows this replica's free slots."""
         self.router, self.store = router, store
+        self._last_report = 0.0
+        self._on_load(self.serving.load())
 
     def info(self) -> dict:
         engine = self.serving.engine

@@ -12,12 +12,12 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
 from replica.clock import Clock, WallClock
 from replica.errors import InvalidRequestError, InvariantViolation, RequestTooLongError
 from replica.model_loader import DEFAULT_MODEL
-from replica.policies import make_scheduler
+from replica.policies import POLICIES, make_scheduler
 from replica.request import FinishReason, Request, SamplingParams
 from replica.scheduler import SchedulerConfig, SchedulerOutput
 
@@ -30,6 +30,13 @@ class EngineConfig(SchedulerConfig):
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = Field("auto", description='"auto" (cuda when present), "cpu" or "cuda"')
     seed: int = 0
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, policy: str) -> str:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown batching policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        return policy
 
 
 class Runner(Protocol):

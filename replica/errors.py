@@ -9,8 +9,11 @@ class InvalidRequestError(SlotServeError, ValueError):
     """A request field is missing, of the wrong type, or out of range; `field` names it."""
 
     def __init__(self, field: str, message: str):
-        self.field = field
+        self.field, self.reason = field, message
         super().__init__(f"invalid request: {field}: {message}")
+
+    def __reduce__(self):  # so the error crosses process boundaries (Ray) intact
+        return type(self), (self.field, self.reason)
 
 
 class RequestTooLongError(InvalidRequestError):
