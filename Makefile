@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: setup
-	$(VENV)/bin/slotserve compare
+	$(VENV)/bin/slotserve run --workload bursty-mix --requests 24 --replicas 2 --routing least_loaded round_robin --report
 
 test: setup
 	$(PY) -m pytest -q

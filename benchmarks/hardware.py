@@ -117,8 +117,8 @@ def decode_sweep_point(runner: ModelRunner, batch: int, max_tokens: int, profile
                 engine.step()
         ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
         total = sum(e.self_cpu_time_total for e in ops)
-        out["mm_ms"] = sum(e.self_cpu_time_total for e in ops if e.key in MATMUL_OPS) / 1e3 / profile_steps
-        out["mm_share"] = out["mm_ms"] * 1e3 * profile_steps / total
+        mm = sum(e.self_cpu_time_total for e in ops if e.key in MATMUL_OPS)  # microseconds
+        out["mm_ms"], out["mm_share"] = mm / 1e3 / profile_steps, mm / total
         out["top_ops"] = [(e.key, e.self_cpu_time_total / 1e3 / profile_steps) for e in ops[:5]]
     assert not engine.has_unfinished
     return out

@@ -139,9 +139,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         if owned:
             stop_cluster()
-    store = Path(args.store).resolve() if owned else "the store of the running cluster"
-    print(f"recorded runs {', '.join(map(str, run_ids))} in {store}")
     ray.shutdown()
+    if owned:
+        from cluster.plots import plot_cluster_runs
+        from cluster.store import MetricsStore
+
+        plot = plot_cluster_runs(MetricsStore(args.store), run_ids,
+                                 Path(args.store).parent / f"runs-{run_ids[0]}-{run_ids[-1]}.png")
+        print(f"recorded runs {', '.join(map(str, run_ids))} in {Path(args.store).resolve()}; plot: {plot}")
+    else:
+        print(f"recorded runs {', '.join(map(str, run_ids))} in the running cluster's store")
     if args.report:
         return main(["report", *map(str, run_ids), "--store", str(args.store)])
     return 0

@@ -90,10 +90,7 @@ def format_table(report: dict) -> str:
 
 
 def write_outputs(out_dir: Path, report: dict, results: dict[str, ReplayResult]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from cluster.plots import latency_cdfs, plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps(report, indent=2))
@@ -111,17 +108,7 @@ def write_outputs(out_dir: Path, report: dict, results: dict[str, ReplayResult])
     axes[0].bar(names, [r["goodput"] for r in report["rows"]], label="goodput", alpha=0.7)
     axes[0].set_ylabel("output tokens / s")
     axes[0].legend()
-    for policy, result in results.items():
-        ttfts = sorted(t.ttft for t in result.traces if t.ttft is not None)
-        axes[1].plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=policy)
-        itls = sorted(g for t in result.traces for g in t.itls)
-        axes[2].plot(itls, [(i + 1) / len(itls) for i in range(len(itls))], label=policy)
-    axes[1].set_xlabel("TTFT (s)")
-    axes[2].set_xlabel("inter-token latency (s)")
-    axes[2].set_xscale("log")
-    for ax in axes[1:]:
-        ax.set_ylabel("share of requests / gaps")
-        ax.legend(fontsize=8)
+    latency_cdfs(axes[1], axes[2], {policy: result.traces for policy, result in results.items()})
     fig.suptitle(report["workload"], fontsize=9)
     fig.tight_layout()
     fig.savefig(out_dir / "policies.png", dpi=100)
