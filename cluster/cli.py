@@ -48,7 +48,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         client = Client(args.address)
         results = [client.generate(p, **params) for p in args.prompts]
-        rows = [(p, r.token_ids, r.text, r.finish_reason, r.replica_id) for p, r in zip(args.prompts, results)]
+        rows = [(p, None, r.token_ids, r.text, r.finish_reason, r.replica_id) for p, r in zip(args.prompts, results)]
     else:
         from replica.engine import Engine, EngineConfig
 
@@ -60,11 +60,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                tokenize=False) for p in prompts]
         done = engine.generate(prompts, params)
-        rows = [(p, d.token_ids, d.text, d.finish_reason.value, "local") for p, d in zip(args.prompts, done)]
-    for prompt, token_ids, text, reason, where in rows:
+        rows = [(p, len(d.prompt_token_ids), d.token_ids, d.text, d.finish_reason.value, "local")
+                for p, d in zip(args.prompts, done)]
+    for prompt, num_prompt_tokens, token_ids, text, reason, where in rows:
         if args.json:
             print(json.dumps({"prompt": prompt, "token_ids": token_ids, "text": text, "finish_reason": reason,
-                              "replica": where}))
+                              "num_prompt_tokens": num_prompt_tokens, "replica": where}))
         else:
             print(f"--- {prompt!r} ({reason}, {len(token_ids)} tokens, {where})\n{text}")
     return 0
