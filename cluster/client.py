@@ -2,17 +2,23 @@
 
 `Client.generate` blocks, `Client.stream` yields tokens as the replica makes them, and the
 `a`-prefixed versions do the same under asyncio. The client asks the router which replica
-to use, then reads the tokens from that replica directly: the router is never on the
-per-token path. It stamps arrival, first token and every token time on its own clock.
+to use, submits there, and reads the tokens from that replica directly: the router is never
+on the per-token path. Each replica sends this client one message per engine step with all
+of its requests' new tokens. The client stamps arrival and every token's receipt on its own
+clock.
 """
 
 from __future__ import annotations
 
+import asyncio
+import queue
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator
+from functools import partial
+from typing import AsyncIterator, Callable, Iterator
 
 import ray
 
@@ -99,67 +105,150 @@ def _unwrap(err: Exception) -> Exception:
     return cause if isinstance(cause, SlotServeError) else ClusterError(f"request failed in the cluster: {err}")
 
 
+Sink = Callable[[StreamEvent], None]
+
+
+class _Feed:
+    """This client's event stream from one replica (one message per engine step), read on a
+    background thread and fanned out to each request's sink."""
+
+    def __init__(self, handle, subscriber: str, replica_id: str):
+        self.sinks: dict[str, Sink] = {}
+        self._gen = handle.events.remote(subscriber)
+        self._replica_id = replica_id
+        threading.Thread(target=self._read, daemon=True, name=f"slotserve-feed-{replica_id}").start()
+
+    def _read(self) -> None:
+        try:
+            for ref in self._gen:
+                batch, now = ray.get(ref), time.time()
+                for raw in batch:
+                    sink = self.sinks.pop(raw["request_id"]) if raw["finished"] else self.sinks.get(raw["request_id"])
+                    if sink is not None:
+                        sink(StreamEvent(raw["token_ids"], raw["text"], now, raw["time"], raw["finished"],
+                                         raw["finish_reason"], raw["error"], raw["replica_id"]))
+        except ray.exceptions.RayError as err:  # the replica died: its requests end with an error
+            for sink in list(self.sinks.values()):
+                sink(StreamEvent([], "", time.time(), time.time(), True, "error", f"replica lost: {err}",
+                                 self._replica_id))
+            self.sinks.clear()
+
+
 class Client:
     def __init__(self, address: str | None = None):
         connect(address)
         self.router = router_handle()
         self._replicas: dict = ray.get(self.router.replicas.remote(), timeout=60)
+        self.subscriber = f"client-{uuid.uuid4().hex[:12]}"
+        self._feeds: dict[str, _Feed] = {}
 
-    def _start(self, prompt: str | list[int], session_id: str | None, request_id: str | None, params: dict):
-        """Validate, route, and start the replica's token stream."""
-        sampling = SamplingParams.parse(params)  # fail fast on bad parameters, before routing
+    def close(self) -> None:
+        """End this client's event streams on every replica it used."""
+        for replica_id in self._feeds:
+            self._replicas[replica_id].close_events.remote(self.subscriber)
+        self._feeds.clear()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- submission ---------------------------------------------------------------------
+    def _route(self, prompt: str | list[int], session_id: str | None, request_id: str | None, params: dict):
+        """Validate (failing fast, before routing), stamp arrival, and ask the router."""
+        sampling = SamplingParams.parse(params)
         arrival = time.time()
         rid = request_id or uuid.uuid4().hex
         prompt_len = len(prompt) if isinstance(prompt, list) else max(1, len(str(prompt)) // 4)  # estimate: no tokenizer here
-        replica_id = ray.get(self.router.route.remote(rid, prompt_len, sampling.max_tokens, session_id))
+        route = self.router.route.remote(rid, prompt_len, sampling.max_tokens, session_id)
+        return Result(rid, None, arrival), sampling, route
+
+    def _submit(self, prompt: str | list[int], result: Result, sampling: SamplingParams, replica_id: str, sink: Sink):
+        """Register the sink on the chosen replica's feed, then submit there."""
         if replica_id not in self._replicas:
             self._replicas = ray.get(self.router.replicas.remote())
-        gen = self._replicas[replica_id].generate.remote(prompt, sampling.model_dump(), rid, arrival)
-        return Result(rid, replica_id, arrival), gen
+        handle = self._replicas[replica_id]
+        if replica_id not in self._feeds:
+            self._feeds[replica_id] = _Feed(handle, self.subscriber, replica_id)
+        result.replica_id = replica_id
+        self._feeds[replica_id].sinks[result.request_id] = sink
+        return handle.submit.remote(self.subscriber, prompt, sampling.model_dump(), result.request_id, result.arrival)
 
-    @staticmethod
-    def _event(raw: dict) -> StreamEvent:
-        return StreamEvent(raw["token_ids"], raw["text"], time.time(), raw["time"], raw["finished"],
-                           raw["finish_reason"], raw["error"], raw["replica_id"])
+    def _refused(self, result: Result, err: Exception) -> Exception:
+        self._feeds[result.replica_id].sinks.pop(result.request_id, None)
+        return _unwrap(err)
 
+    def _abort(self, result: Result) -> None:
+        self._feeds[result.replica_id].sinks.pop(result.request_id, None)
+        self._replicas[result.replica_id].abort.remote(result.request_id)
+
+    def _sync_events(self, prompt, session_id, request_id, params) -> tuple[Result, Iterator[StreamEvent]]:
+        events: queue.Queue[StreamEvent] = queue.Queue()
+        result, sampling, route = self._route(prompt, session_id, request_id, params)
+        try:
+            ray.get(self._submit(prompt, result, sampling, ray.get(route), events.put))
+        except ray.exceptions.RayError as err:
+            raise self._refused(result, err) from None
+        return result, self._drain(result, events)
+
+    def _drain(self, result: Result, events: queue.Queue) -> Iterator[StreamEvent]:
+        finished = False
+        try:
+            while not finished:
+                event = events.get()
+                result.add(event)
+                finished = event.finished
+                yield event
+        finally:
+            if not finished:  # the caller stopped reading: stop the replica computing for it
+                self._abort(result)
+
+    async def _async_events(self, prompt, session_id, request_id, params) -> tuple[Result, AsyncIterator[StreamEvent]]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        result, sampling, route = self._route(prompt, session_id, request_id, params)
+        sink = partial(loop.call_soon_threadsafe, events.put_nowait)
+        try:
+            await self._submit(prompt, result, sampling, await route, sink)
+        except ray.exceptions.RayError as err:
+            raise self._refused(result, err) from None
+        return result, self._adrain(result, events)
+
+    async def _adrain(self, result: Result, events: asyncio.Queue) -> AsyncIterator[StreamEvent]:
+        finished = False
+        try:
+            while not finished:
+                event = await events.get()
+                result.add(event)
+                finished = event.finished
+                yield event
+        finally:
+            if not finished:
+                self._abort(result)
+
+    # ---- the API --------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], session_id: str | None = None, request_id: str | None = None,
                **params) -> Iterator[StreamEvent]:
         """Yield events as tokens arrive; the last has finished=True and the finish reason."""
-        yield from self._events(*self._start(prompt, session_id, request_id, params))
+        yield from self._sync_events(prompt, session_id, request_id, params)[1]
 
     def generate(self, prompt: str | list[int], session_id: str | None = None, request_id: str | None = None,
                  **params) -> Result:
-        result, gen = self._start(prompt, session_id, request_id, params)
-        for _ in self._events(result, gen):
+        result, events = self._sync_events(prompt, session_id, request_id, params)
+        for _ in events:
             pass
         return result
 
     async def astream(self, prompt: str | list[int], session_id: str | None = None, request_id: str | None = None,
                       **params) -> AsyncIterator[StreamEvent]:
-        async for event in self._aevents(*self._start(prompt, session_id, request_id, params)):
+        _, events = await self._async_events(prompt, session_id, request_id, params)
+        async for event in events:
             yield event
 
     async def agenerate(self, prompt: str | list[int], session_id: str | None = None, request_id: str | None = None,
                         **params) -> Result:
-        result, gen = self._start(prompt, session_id, request_id, params)
-        async for _ in self._aevents(result, gen):
+        result, events = await self._async_events(prompt, session_id, request_id, params)
+        async for _ in events:
             pass
         return result
-
-    def _events(self, result: Result, gen) -> Iterator[StreamEvent]:
-        try:
-            for ref in gen:
-                event = self._event(ray.get(ref))
-                result.add(event)
-                yield event
-        except ray.exceptions.RayError as err:
-            raise _unwrap(err) from None
-
-    async def _aevents(self, result: Result, gen) -> AsyncIterator[StreamEvent]:
-        try:
-            async for ref in gen:
-                event = self._event(await ref)
-                result.add(event)
-                yield event
-        except ray.exceptions.RayError as err:
-            raise _unwrap(err) from None

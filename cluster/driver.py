@@ -79,9 +79,9 @@ def run_workload(deployment: Deployment, workload: Workload, *, name: str, confi
     run_id = ray.get(store.begin_run.remote(name, config, batching_policy, routing_policy, seed, slo))
     actors = [deployment.router, *deployment.replicas.values()]
     ray.get([a.set_run.remote(run_id) for a in actors])
-    client = Client()
     vocab = ray.get(next(iter(deployment.replicas.values())).info.remote())["vocab_size"]
-    asyncio.run(_replay(client, workload, run_id, store, vocab, seed, progress))
+    with Client() as client:
+        asyncio.run(_replay(client, workload, run_id, store, vocab, seed, progress))
     ray.get([a.flush.remote() for a in actors])
     ray.get(store.end_run.remote(run_id, "complete"))
     return run_id

@@ -27,7 +27,8 @@ def measure_capacity(deployment: Deployment, max_tokens: int = 24) -> float:
     """Output tokens/s of the whole cluster with every slot of every replica busy decoding
     (a saturating probe through the router; not recorded)."""
     infos = ray.get([r.info.remote() for r in deployment.replicas.values()])
-    return asyncio.run(_probe(Client(), sum(i["num_slots"] for i in infos), max_tokens))
+    with Client() as client:
+        return asyncio.run(_probe(client, sum(i["num_slots"] for i in infos), max_tokens))
 
 
 def routing_experiment(deployment: Deployment, routing_policies: list[str], workload_name: str, num_requests: int,

@@ -1,15 +1,17 @@
 """The Ray actor around one replica: a thin shell over `AsyncEngine`.
 
-It streams each request's tokens straight to the caller (a Ray streaming generator), tells
-the router its load and each completion through the handle it is given, and pushes step
-samples to the metrics store in bounded batches. It knows the router and the store only as
+It streams tokens straight to each client (one Ray streaming generator per client, one
+message per step), tells the router its load and each completion through the handle it is
+given, and pushes step samples to the metrics store in bounded batches. It knows the router and the store only as
 handles: `replica` imports neither package.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import asdict
+from functools import partial
 from typing import Any, AsyncIterator
 
 import ray
@@ -32,6 +34,8 @@ class ReplicaActor:
         self.store = None
         self.run_id: int | None = None
         self._steps: list[dict] = []
+        self._pending: dict[str, list[dict]] = {}  # this step's events, per subscriber
+        self._outboxes: dict[str, asyncio.Queue] = {}
         self._last_report = 0.0
 
     def attach(self, router=None, store=None) -> None:
@@ -48,20 +52,43 @@ class ReplicaActor:
                 "vocab_size": engine.runner.vocab_size,
                 "fake_step_seconds": self.config.fake_step_seconds, "load": asdict(self.serving.load())}
 
-    async def generate(self, prompt: str | list[int], params: dict | None, request_id: str,
-                       arrival_time: float | None = None) -> AsyncIterator[dict]:
-        """Stream events {token_ids, text, finished, finish_reason, error, time, replica_id}.
-        A rejected request raises its InvalidRequestError to the caller, and the router is
-        told it is done."""
+    async def submit(self, subscriber: str, prompt: str | list[int], params: dict | None, request_id: str,
+                     arrival_time: float | None = None) -> None:
+        """Queue a request whose events go to `subscriber`'s stream (see `events`). A refused
+        request raises its InvalidRequestError here, and the router is told it is done."""
         try:
-            async for out in self.serving.generate(prompt, params, request_id, arrival_time):
-                yield {"token_ids": out.new_token_ids, "text": out.new_text, "finished": out.finished,
-                       "finish_reason": out.finish_reason.value if out.finish_reason else None,
-                       "error": out.error, "time": out.time, "replica_id": self.replica_id}
+            await self.serving.submit(prompt, params, request_id, arrival_time, partial(self._collect, subscriber))
         except SlotServeError:
             if self.router is not None:
                 self.router.complete.remote(request_id)
             raise
+
+    async def events(self, subscriber: str) -> AsyncIterator[list[dict]]:
+        """The subscriber's event stream: one message per step, holding every token that step
+        made for any of the subscriber's requests. Batching per step, not per token, keeps the
+        cost of streaming through Ray flat as batches grow (like vLLM's per-step outputs)."""
+        outbox = self._outboxes.setdefault(subscriber, asyncio.Queue())
+        while (batch := await outbox.get()) is not None:
+            yield batch
+        del self._outboxes[subscriber]
+
+    def close_events(self, subscriber: str) -> None:
+        """End the subscriber's stream (the client is going away)."""
+        self._outboxes.setdefault(subscriber, asyncio.Queue()).put_nowait(None)
+
+    def _collect(self, subscriber: str, out: RequestOutput) -> None:
+        self._pending.setdefault(subscriber, []).append({
+            "request_id": out.request_id, "token_ids": out.new_token_ids, "text": out.new_text,
+            "finished": out.finished, "finish_reason": out.finish_reason.value if out.finish_reason else None,
+            "error": out.error, "time": out.time, "replica_id": self.replica_id})
+        if len(self._pending) == 1 and len(self._pending[subscriber]) == 1:
+            # The step's other outputs are delivered in this same loop iteration: send them together.
+            asyncio.get_running_loop().call_soon(self._send_pending)
+
+    def _send_pending(self) -> None:
+        for subscriber, batch in self._pending.items():
+            self._outboxes.setdefault(subscriber, asyncio.Queue()).put_nowait(batch)
+        self._pending = {}
 
     def abort(self, request_id: str) -> None:
         self.serving.abort(request_id)

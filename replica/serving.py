@@ -55,7 +55,7 @@ class _Submission:
     request_id: str
     arrival_time: float | None
     accepted: asyncio.Future
-    outputs: asyncio.Queue
+    sink: Callable[[RequestOutput], None]
 
 
 class AsyncEngine:
@@ -67,26 +67,33 @@ class AsyncEngine:
         self._on_finish = on_finish or (lambda output: None)
         self._on_load = on_load or (lambda load: None)
         self._inbox: list[_Submission | str] = []  # submissions, or request ids to abort
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._sinks: dict[str, Callable[[RequestOutput], None]] = {}
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._task: asyncio.Task | None = None
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | dict | None, request_id: str,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield this request's outputs as steps make them; the last has finished=True.
-        Raises InvalidRequestError (before any output) when the engine rejects it."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+    async def submit(self, prompt: str | list[int], params: SamplingParams | dict | None, request_id: str,
+                     arrival_time: float | None, sink: Callable[[RequestOutput], None]) -> None:
+        """Queue a request; once accepted, each of its outputs is passed to `sink` on the event
+        loop as steps make them, the last with finished=True. Raises InvalidRequestError when
+        the engine refuses it."""
         loop = asyncio.get_running_loop()
-        sub = _Submission(prompt, params, request_id, arrival_time, loop.create_future(), asyncio.Queue())
+        if self._task is None:
+            self._task = loop.create_task(self._run())
+        sub = _Submission(prompt, params, request_id, arrival_time, loop.create_future(), sink)
         self._inbox.append(sub)
         self._wake.set()
         await sub.accepted
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | dict | None, request_id: str,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """`submit` as an async iterator of this request's outputs."""
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        await self.submit(prompt, params, request_id, arrival_time, outputs.put_nowait)
         finished = False
         try:
             while not finished:
-                output = await sub.outputs.get()
+                output = await outputs.get()
                 finished = output.finished
                 yield output
         finally:
@@ -114,15 +121,15 @@ class AsyncEngine:
             except Exception as err:  # noqa: BLE001 - the caller gets the error; the loop goes on
                 item.accepted.set_exception(err)
                 continue
-            self._streams[item.request_id] = item.outputs
+            self._sinks[item.request_id] = item.sink
             item.accepted.set_result(None)
 
     def _deliver(self, output: RequestOutput) -> None:
-        stream = self._streams.get(output.request_id)
-        if stream is not None:
-            stream.put_nowait(output)
+        sink = self._sinks.get(output.request_id)
+        if sink is not None:
+            sink(output)
         if output.finished:
-            self._streams.pop(output.request_id, None)
+            self._sinks.pop(output.request_id, None)
             self._on_finish(output)
 
     async def _run(self) -> None:
