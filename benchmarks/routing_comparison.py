@@ -16,7 +16,6 @@ TTFT p99 and goodput". The full `slotserve report` tables follow (skip them with
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from dataclasses import asdict
@@ -32,27 +31,22 @@ from cluster.report import analyze, format_report
 from cluster.store import MetricsStore
 from replica.engine import EngineConfig
 from replica.serving import ReplicaConfig
-from workloads.standard import bursty_mix
+from workloads.standard import at_load
 
 POLICIES = ["round_robin", "random", "least_loaded"]
 
 
 def replay_all(args: argparse.Namespace, store_path: Path, slo: SLO) -> tuple[list[int], dict]:
-    """Same steps as `cluster.experiment.routing_experiment`, with the burst shape exposed and
-    the rate set so the *time-averaged* offered load is `load` (see `base_rate`)."""
+    """Same steps as `cluster.experiment.routing_experiment`, with the burst shape exposed."""
     spec = ClusterSpec(num_replicas=args.replicas, routing_policy="least_loaded", store_path=str(store_path),
                        seed=args.seed, replica=ReplicaConfig(engine=EngineConfig(num_slots=args.slots, max_seq_len=512),
                                                              fake_step_seconds=args.step))
     deployment = start_cluster(spec)
     try:
         capacity = measure_capacity(deployment)  # output tokens/s, every slot of every replica decoding
-        f = args.burst_factor
-        mean_output = statistics.mean(bursty_mix(args.requests, 1.0, f, args.period, seed=args.seed).output_lens)
-        # bursty_mix's `rate` is the base rate: hot windows run at rate*f, cold at rate/f, so the
-        # mean over a hot+cold cycle is rate*(f + 1/f)/2 (1.67x the base rate at f=3). Divide it out,
-        # or "0.8x capacity" would really offer ~1.3x.
-        base_rate = args.load * capacity / mean_output / ((f + 1 / f) / 2)
-        workload = bursty_mix(args.requests, base_rate, f, args.period, seed=args.seed)
+        workload = at_load("bursty-mix", args.requests, args.load, capacity, args.seed,
+                           burst_factor=args.burst_factor, period=args.period)
+        base_rate = workload.params["rate"]
         span = max(r.arrival for r in workload.requests)
         info = {"capacity": capacity, "base_rate": base_rate, "workload": workload.describe(),
                 "offered": sum(workload.output_lens) / span / capacity}

@@ -16,8 +16,7 @@ from cluster.metrics import SLO, summarize, slot_efficiency
 from cluster.replay import ReplayResult, replay
 from replica.engine import Engine, EngineConfig
 from replica.model_runner import ModelRunner
-from workloads.standard import STANDARD_WORKLOADS
-from workloads.workload import Workload
+from workloads.standard import at_load
 
 
 def measure_decode_capacity(runner: ModelRunner, num_slots: int, max_seq_len: int) -> float:
@@ -34,22 +33,14 @@ def measure_decode_capacity(runner: ModelRunner, num_slots: int, max_seq_len: in
     return num_slots / statistics.median(times[2:] or times)
 
 
-def make_workload(name: str, num_requests: int, rate: float, seed: int) -> Workload:
-    maker = STANDARD_WORKLOADS[name]
-    if name == "saturated":
-        return maker(num_requests=num_requests, seed=seed)
-    return maker(num_requests=num_requests, rate=rate, seed=seed)
-
-
 def compare_policies(policies: list[str], workload: str = "long-prompts", num_requests: int = 24, load: float = 0.8,
                      num_slots: int = 8, max_seq_len: int = 640, token_budget: int = 64, model: str = "smollm2-135m",
                      dtype: str = "float32", seed: int = 0, slo: SLO = SLO(), out_dir: Path | None = None,
                      progress: bool = True) -> dict:
     runner = ModelRunner(model, num_slots, max_seq_len, dtype)
     capacity = measure_decode_capacity(runner, num_slots, max_seq_len)
-    mean_output = statistics.mean(make_workload(workload, num_requests, 1.0, seed).output_lens)
-    rate = load * capacity / mean_output  # lengths do not depend on the rate
-    traffic = make_workload(workload, num_requests, rate, seed)
+    traffic = at_load(workload, num_requests, load, capacity, seed)
+    rate = traffic.params.get("mean_rate_requests_per_s", 0.0)
     rows, results = [], {}
     for policy in policies:
         config = EngineConfig(policy=policy, num_slots=num_slots, max_seq_len=max_seq_len, token_budget=token_budget,

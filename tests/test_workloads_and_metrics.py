@@ -80,3 +80,15 @@ def test_failed_requests_miss_every_slo():
 def test_percentiles_of_nothing_are_none():
     assert percentiles([]) == {"p50": None, "p90": None, "p99": None, "max": None}
     assert percentiles([1, 2, 3, 4])["max"] == 4
+
+
+def test_at_load_sets_the_mean_rate_of_a_bursty_workload():
+    """at_load(load=0.8) offers 0.8 x capacity on average over hot and cold windows: the base
+    rate is divided by the burst process's mean-rate factor (f + 1/f)/2."""
+    from workloads.standard import at_load, mean_rate_factor
+
+    w = at_load("bursty-mix", 4000, 0.8, capacity_tokens_per_s=400.0, seed=0, period=1.0)
+    mean_output = sum(w.output_lens) / len(w.output_lens)
+    offered = len(w.requests) / max(r.arrival for r in w.requests) * mean_output
+    assert offered == pytest.approx(0.8 * 400.0, rel=0.1)
+    assert w.params["rate"] == pytest.approx(w.params["mean_rate_requests_per_s"] / mean_rate_factor(3.0))

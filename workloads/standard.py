@@ -76,3 +76,26 @@ STANDARD_WORKLOADS: dict[str, Callable[..., Workload]] = {
     "bursty-mix": bursty_mix,
     "long-prompts": long_prompts,
 }
+
+
+def mean_rate_factor(burst_factor: float) -> float:
+    """Long-run mean rate over base rate of a bursty process: hot windows run at rate*f and
+    cold ones at rate/f for equal times, so the mean is rate * (f + 1/f) / 2."""
+    return (burst_factor + 1 / burst_factor) / 2
+
+
+def at_load(name: str, num_requests: int, load: float, capacity_tokens_per_s: float, seed: int = 0,
+            **shape) -> Workload:
+    """The named workload with arrivals at `load` x a measured capacity (output tokens/s):
+    mean request rate = load * capacity / mean output length. Lengths do not depend on the
+    rate, so they are read off the same workload made at any rate. `saturated` has no rate."""
+    maker = STANDARD_WORKLOADS[name]
+    if name == "saturated":
+        return maker(num_requests=num_requests, seed=seed)
+    mean_output = sum(maker(num_requests=num_requests, rate=1.0, seed=seed, **shape).output_lens) / num_requests
+    mean_rate = load * capacity_tokens_per_s / mean_output
+    base_rate = mean_rate / mean_rate_factor(shape.get("burst_factor", 3.0))
+    workload = maker(num_requests=num_requests, rate=base_rate, seed=seed, **shape)
+    workload.params.update({"load": load, "capacity_tokens_per_s": capacity_tokens_per_s,
+                            "mean_rate_requests_per_s": mean_rate})
+    return workload
