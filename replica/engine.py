@@ -15,7 +15,7 @@ from typing import Any, Literal, Protocol, Sequence
 from pydantic import ConfigDict, Field, field_validator
 
 from replica.clock import Clock, WallClock
-from replica.errors import InvalidRequestError, InvariantViolation, RequestTooLongError
+from replica.errors import ConfigError, InvalidRequestError, InvariantViolation, RequestTooLongError
 from replica.model_loader import DEFAULT_MODEL
 from replica.policies import POLICIES, make_scheduler
 from replica.request import FinishReason, Request, SamplingParams
@@ -110,8 +110,12 @@ class Engine:
 
             c = self.config
             runner = ModelRunner(c.model, c.num_slots, c.max_seq_len, c.dtype, c.device, c.seed)
-        if self.config.max_seq_len > runner.max_model_len:
+        if self.config.max_seq_len > runner.max_model_len:  # a slot can't hold more than the model's context
             self.config = self.config.model_copy(update={"max_seq_len": runner.max_model_len})
+        cache = getattr(runner, "cache", None)  # a shared runner's cache must hold this engine's slots
+        if cache is not None and (self.config.num_slots > cache.num_slots or self.config.max_seq_len > cache.max_seq_len):
+            raise ConfigError(f"the runner's cache has {cache.num_slots} slots of {cache.max_seq_len} tokens; this engine "
+                              f"wants {self.config.num_slots} of {self.config.max_seq_len}")
         self.runner = runner
         self.tokenizer = runner.tokenizer
         self.scheduler = make_scheduler(self.config.policy, self.config, self.clock)

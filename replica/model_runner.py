@@ -42,12 +42,16 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
 
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
     def execute(self, out: SchedulerOutput) -> list[int]:
         """One forward pass; returns one token per chunk with `samples`, in chunk order."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         offsets: list[int] = []
+        single: list[bool] = []  # the row is its sequence's only one this step (a decode, say)
         logit_rows: list[int] = []
         for chunk in out.chunks:
             r = chunk.request
@@ -55,6 +59,7 @@ class ModelRunner:
             positions += range(chunk.start, chunk.start + chunk.num_tokens)
             slots += [r.slot] * chunk.num_tokens
             offsets += range(chunk.num_tokens)
+            single += [chunk.num_tokens == 1] * chunk.num_tokens
             if chunk.samples:
                 logit_rows.append(len(ids) - 1)
         for held in out.held_rows:
@@ -66,16 +71,15 @@ class ModelRunner:
                 positions.append(last)
                 slots.append(held.slot)
                 offsets.append(0)
-        singles = [i for i, off in enumerate(offsets) if off == 0 and (i + 1 == len(offsets) or offsets[i + 1] == 0)]
-        single_set = set(singles)
-        multis = [i for i in range(len(ids)) if i not in single_set]
+                single.append(True)
+        # Two attention groups, so single-token rows are not padded to a long prefill chunk.
         q_per_kv = self.model.shape.num_heads // self.model.shape.num_kv_heads
         groups = [
             build_group(rows, [slots[i] for i in rows], [offsets[i] for i in rows], [positions[i] for i in rows],
                         q_per_kv, self.device)
-            for rows in (singles, multis) if rows
+            for flag in (True, False) if (rows := [i for i, s in enumerate(single) if s is flag])
         ]
-        to = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        meta = AttentionMetadata(to(slots), groups, q_per_kv)
-        logits = self.model.forward(to(ids), to(positions), meta, self.cache, to(logit_rows))
+        meta = AttentionMetadata(self._tensor(slots), groups, q_per_kv)
+        logits = self.model.forward(self._tensor(ids), self._tensor(positions), meta, self.cache,
+                                    self._tensor(logit_rows))
         return self.sampler.sample(logits, [c.request for c in out.chunks if c.samples])
