@@ -121,13 +121,15 @@ class _Feed:
     def _read(self) -> None:
         try:
             for ref in self._gen:
+                if not ray.is_initialized():  # the driver shut Ray down under us: stop quietly
+                    return
                 batch, now = ray.get(ref), time.time()
                 for raw in batch:
                     sink = self.sinks.pop(raw["request_id"]) if raw["finished"] else self.sinks.get(raw["request_id"])
                     if sink is not None:
                         sink(StreamEvent(raw["token_ids"], raw["text"], now, raw["time"], raw["finished"],
                                          raw["finish_reason"], raw["error"], raw["replica_id"]))
-        except ray.exceptions.RayError as err:  # the replica died: its requests end with an error
+        except Exception as err:  # noqa: BLE001 - the replica died or Ray went away: its requests end with an error
             for sink in list(self.sinks.values()):
                 sink(StreamEvent([], "", time.time(), time.time(), True, "error", f"replica lost: {err}",
                                  self._replica_id))

@@ -4,8 +4,15 @@ default model loaded once per session."""
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# Every test starts and stops its own Ray instance. Ray's auto-connect would let a stray call
+# after `ray.shutdown()` (a client's feed thread still reading, say) silently join whatever
+# cluster is still up and leak into the next test; turn it off before Ray is imported.
+os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 TINY_VOCAB = 49152  # the default model's tokenizer, shipped with every tiny model dir
 

@@ -105,8 +105,8 @@ def test_replicas_spread_over_nodes():
         deployment = start_cluster(ClusterSpec(num_replicas=2, replica=FAKE, store_path="/tmp/slotserve-multinode.db"))
         infos = ray.get([r.info.remote() for r in deployment.replicas.values()], timeout=120)
         assert len({i["node_id"] for i in infos}) == 2
-        client = Client()
-        results = [client.generate([i + 1, 2], max_tokens=4, ignore_eos=True) for i in range(6)]
+        with Client() as client:
+            results = [client.generate([i + 1, 2], max_tokens=4, ignore_eos=True) for i in range(6)]
         assert all(len(r.token_ids) == 4 for r in results)
         assert {r.replica_id for r in results} == {"replica-0", "replica-1"}
     finally:

@@ -365,7 +365,7 @@ def test_decision_rows_are_strict_json():
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
     yield
     ray.shutdown()
 
