@@ -22,6 +22,7 @@ import time
 from router import ROUTING_POLICIES, LoadReport, RouteRequest, Router
 
 TARGET = 2000.0  # decisions per second
+BURSTS = (1, 4, 16, 64)  # arrivals per route_many call
 SLOTS = 8
 
 
@@ -83,6 +84,19 @@ def measure_calls(router, batch_size: int, batches: int, serial: int) -> dict[st
     }
 
 
+def burst_rate(router, burst: int, calls: int) -> float:
+    """Decisions/s when each Ray call carries `burst` arrivals (`route_many`), as the async
+    client sends the requests routed in one event-loop turn; one call in flight at a time."""
+    import ray
+
+    start = time.perf_counter()
+    for c in range(calls):
+        ray.get(router.route_many.remote([(f"m{c}-{i}", 32, 64, None) for i in range(burst)]))
+    elapsed = time.perf_counter() - start
+    ray.get([router.complete.remote(f"m{c}-{i}") for c in range(calls) for i in range(burst)])
+    return calls * burst / elapsed
+
+
 def actor_rates(policy: str, replicas: int, batch_size: int, batches: int, serial: int) -> dict[str, dict[str, float]]:
     """The RouterActor, and as references the same calls on actors that do nothing (the most
     Ray allows here for one call per decision), synchronous and async."""
@@ -115,12 +129,13 @@ def actor_rates(policy: str, replicas: int, batch_size: int, batches: int, seria
         async def complete(self, request_id) -> bool:
             return True
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         handles = {f"r{i}": NullReplica.remote() for i in range(replicas)}
         router = RouterActor.remote(handles, policy=policy, store=NullStore.remote())
         ray.get(router.set_run.remote(1))  # decisions are shipped to the store only inside a run
-        results = {"RouterActor": measure_calls(router, batch_size, batches, serial)}
+        results = {"RouterActor": measure_calls(router, batch_size, batches, serial),
+                   "bursts": {b: burst_rate(router, b, max(20, 2000 // b)) for b in BURSTS}}
         ray.get(router.flush.remote())
         status = ray.get(router.status.remote())
         if status["store_errors"] or any(r["in_flight"] for r in status["replicas"].values()):
@@ -157,6 +172,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"\n(b) RouterActor ({args.actor_policy}) on local Ray, batches of {args.batch_size} calls in flight;")
     print("    no-op actors with the same calls as references (x ceiling: RouterActor / no-op actor)")
     measured = actor_rates(args.actor_policy, args.replicas, args.batch_size, args.batches, args.serial)
+    bursts = measured.pop("bursts")
     ceiling = measured["no-op actor"]
     print(f"{'actor':<18} {'figure':<22} {'value':>10} {'decisions/s':>12} {'x target':>9} {'x ceiling':>10}")
     for actor, figures in measured.items():
@@ -168,6 +184,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             label = f"one at a time, {key}" if latency else f"{key} (batched)"
             value = f"{figures[key] * 1e3:.2f} ms" if latency else ""
             print(f"{actor:<18} {label:<22} {value:>10} {rate:>12,.0f} {rate / TARGET:>9.2f} {rate / ceiling_rate:>10.2f}")
+    print("\n(c) RouterActor.route_many: one call carries a burst of arrivals (what the async client sends")
+    print("    for requests routed in the same event-loop turn); one call in flight at a time")
+    print(f"{'arrivals per call':<18} {'decisions/s':>12} {'x target':>9}")
+    for burst, rate in bursts.items():
+        results[f"route_many/{burst}"] = rate
+        print(f"{burst:<18} {rate:>12,.0f} {rate / TARGET:>9.2f}")
     return results
 
 

@@ -143,6 +143,7 @@ class Client:
         self._replicas: dict = ray.get(self.router.replicas.remote(), timeout=60)
         self.subscriber = f"client-{uuid.uuid4().hex[:12]}"
         self._feeds: dict[str, _Feed] = {}
+        self._routes: list[tuple[tuple, asyncio.Future]] = []  # routed this event-loop turn, not yet sent
 
     def close(self) -> None:
         """End this client's event streams on every replica it used."""
@@ -157,14 +158,43 @@ class Client:
         self.close()
 
     # ---- submission ---------------------------------------------------------------------
-    def _route(self, prompt: str | list[int], session_id: str | None, request_id: str | None, params: dict):
-        """Validate (failing fast, before routing), stamp arrival, and ask the router."""
+    def _prepare(self, prompt: str | list[int], session_id: str | None, request_id: str | None, params: dict):
+        """Validate (failing fast, before routing), stamp arrival, and say what the router needs."""
         sampling = SamplingParams.parse(params)
         arrival = time.time()
         rid = request_id or uuid.uuid4().hex
         prompt_len = len(prompt) if isinstance(prompt, list) else max(1, len(str(prompt)) // 4)  # estimate: no tokenizer here
-        route = self.router.route.remote(rid, prompt_len, sampling.max_tokens, session_id)
-        return Result(rid, None, arrival), sampling, route
+        return Result(rid, None, arrival), sampling, (rid, prompt_len, sampling.max_tokens, session_id)
+
+    async def _aroute(self, route: tuple) -> str:
+        """Ask the router, sending every request routed in the same event-loop turn (a burst
+        of arrivals) in one call: a Ray call costs far more than a routing decision."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._routes.append((route, future))
+        if len(self._routes) == 1:
+            loop.call_soon(self._send_routes)
+        return await future
+
+    def _send_routes(self) -> None:
+        batch, self._routes = self._routes, []
+        ref = self.router.route_many.remote([route for route, _ in batch])
+
+        def settle(done: asyncio.Future) -> None:
+            try:
+                replica_ids = done.result()
+            except BaseException as err:  # noqa: BLE001 - every waiting request gets the error
+                replica_ids, error = [None] * len(batch), err
+            else:
+                error = None
+            for (_, future), replica_id in zip(batch, replica_ids):
+                if not future.done():
+                    if error is None:
+                        future.set_result(replica_id)
+                    else:
+                        future.set_exception(error)
+
+        asyncio.ensure_future(ref).add_done_callback(settle)
 
     def _submit(self, prompt: str | list[int], result: Result, sampling: SamplingParams, replica_id: str, sink: Sink):
         """Register the sink on the chosen replica's feed, then submit there."""
@@ -178,7 +208,8 @@ class Client:
         return handle.submit.remote(self.subscriber, prompt, sampling.model_dump(), result.request_id, result.arrival)
 
     def _refused(self, result: Result, err: Exception) -> Exception:
-        self._feeds[result.replica_id].sinks.pop(result.request_id, None)
+        if result.replica_id in self._feeds:
+            self._feeds[result.replica_id].sinks.pop(result.request_id, None)
         return _unwrap(err)
 
     def _abort(self, result: Result) -> None:
@@ -187,9 +218,9 @@ class Client:
 
     def _sync_events(self, prompt, session_id, request_id, params) -> tuple[Result, Iterator[StreamEvent]]:
         events: queue.Queue[StreamEvent] = queue.Queue()
-        result, sampling, route = self._route(prompt, session_id, request_id, params)
+        result, sampling, route = self._prepare(prompt, session_id, request_id, params)
         try:
-            ray.get(self._submit(prompt, result, sampling, ray.get(route), events.put))
+            ray.get(self._submit(prompt, result, sampling, ray.get(self.router.route.remote(*route)), events.put))
         except ray.exceptions.RayError as err:
             raise self._refused(result, err) from None
         return result, self._drain(result, events)
@@ -209,10 +240,10 @@ class Client:
     async def _async_events(self, prompt, session_id, request_id, params) -> tuple[Result, AsyncIterator[StreamEvent]]:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[StreamEvent] = asyncio.Queue()
-        result, sampling, route = self._route(prompt, session_id, request_id, params)
+        result, sampling, route = self._prepare(prompt, session_id, request_id, params)
         sink = partial(loop.call_soon_threadsafe, events.put_nowait)
         try:
-            await self._submit(prompt, result, sampling, await route, sink)
+            await self._submit(prompt, result, sampling, await self._aroute(route), sink)
         except ray.exceptions.RayError as err:
             raise self._refused(result, err) from None
         return result, self._adrain(result, events)

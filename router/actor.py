@@ -68,6 +68,12 @@ class RouterActor:
             self._settle(self._start_write())
         return decision.replica_id
 
+    def route_many(self, requests: list[tuple[str, int, int, str | None]]) -> list[str]:
+        """`route` for several requests in one call: (request_id, prompt_len, max_tokens,
+        session_id) each. A call through Ray costs far more than a decision, so a client
+        routing a burst of arrivals sends them together."""
+        return [self.route(*request) for request in requests]
+
     def replicas(self) -> dict[str, ActorHandle]:
         return dict(self._handles)
 

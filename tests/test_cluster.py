@@ -181,3 +181,32 @@ def test_default_model_cluster_matches_single_engine(local_ray):
         # streamed: the client held the first token before the replica made the last one
         assert events[0].time < events[-1].made
     assert {e.replica_id for events in results for e in events} == {"replica-0", "replica-1"}
+
+
+def test_async_burst_is_routed_in_one_call_per_loop_turn(local_ray):
+    """Requests an async client routes in the same event-loop turn go to the router in one
+    route_many call: each still gets its own decision (both replicas used, every one logged),
+    and the burst costs one Ray call instead of one per request."""
+    deployment = start_cluster(ClusterSpec(num_replicas=2, replica=FAKE, store_path=str(local_ray / "s.db")))
+    with Client() as client:
+        calls = []
+        real = client.router.route_many
+
+        class Counting:
+            def remote(self, routes):
+                calls.append(len(routes))
+                return real.remote(routes)
+
+        client.router.route_many = Counting()
+
+        async def burst():
+            return await asyncio.gather(*[client.agenerate([i + 1], max_tokens=2, ignore_eos=True) for i in range(6)])
+
+        results = asyncio.run(asyncio.wait_for(burst(), 120))
+    assert calls == [6]
+    assert {r.replica_id for r in results} == {"replica-0", "replica-1"}
+    assert all(len(r.token_ids) == 2 for r in results)
+    deadline = time.monotonic() + 30  # completions reach the router from the replicas, on their own time
+    while sum(r["in_flight"] for r in ray.get(deployment.router.status.remote())["replicas"].values()):
+        assert time.monotonic() < deadline, "completions never reached the router"
+        time.sleep(0.1)
