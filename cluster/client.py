@@ -43,17 +43,34 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
                            "start one with `ray start --head` or give its HOST:PORT") from None
 
 
+def _local_cluster_address() -> str:
+    """The address `ray start` left on this machine (RAY_ADDRESS first), as ray.init("auto")
+    would find it; ConnectionError when there is none."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    address = canonicalize_bootstrap_address("auto")
+    if address is None:
+        raise ConnectionError("no address recorded")
+    return address
+
+
 def connect(address: str | None = None) -> None:
-    """Join the Ray cluster at `address`, or the one `ray start` made on this machine."""
+    """Join the Ray cluster at `address`, or the one `ray start` made on this machine. The
+    address is checked first, so a dead one (or a stale record of a stopped cluster) is a
+    clear error at once rather than minutes of retries."""
     if ray.is_initialized():
         return
-    if address not in (None, "auto"):
-        _check_reachable(address)
     try:
-        ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+        target = address if address not in (None, "auto") else _local_cluster_address()
     except ConnectionError as err:
-        raise ClusterError(f"no Ray cluster running{'' if address in (None, 'auto') else ' at ' + address}: "
-                           f"start one with `ray start --head` or `slotserve up` ({err})") from None
+        raise ClusterError(f"no Ray cluster running here: start one with `ray start --head` or `slotserve up` ({err})"
+                           ) from None
+    _check_reachable(target)
+    try:
+        ray.init(address=target, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+    except ConnectionError as err:
+        raise ClusterError(f"no Ray cluster running at {target}: start one with `ray start --head` or "
+                           f"`slotserve up` ({err})") from None
 
 
 def router_handle():

@@ -15,7 +15,8 @@ from replica import Engine, EngineConfig
 
 def test_generate_json_matches_engine(tiny_gpt2_dir, capsys):
     """--json prints one object per prompt with the engine's own greedy tokens and text."""
-    assert main(["generate", "Hello there", "The sky is", "--model", tiny_gpt2_dir, "--max-tokens", "5", "--json"]) == 0
+    assert main(["generate", "Hello there", "The sky is", "--model", tiny_gpt2_dir, "--max-tokens", "5", "--json",
+                 "--local"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     engine = Engine(EngineConfig(model=tiny_gpt2_dir, max_seq_len=1024))
     expected = engine.generate(["Hello there", "The sky is"], {"max_tokens": 5})
@@ -27,9 +28,9 @@ def test_generate_json_matches_engine(tiny_gpt2_dir, capsys):
 
 def test_generate_chat_applies_template(tiny_gpt2_dir, capsys):
     """--chat wraps the prompt in the chat template, so more prompt tokens reach the model."""
-    main(["generate", "Hi", "--model", tiny_gpt2_dir, "--max-tokens", "2", "--json"])
+    main(["generate", "Hi", "--model", tiny_gpt2_dir, "--max-tokens", "2", "--json", "--local"])
     plain = json.loads(capsys.readouterr().out)
-    main(["generate", "Hi", "--model", tiny_gpt2_dir, "--max-tokens", "2", "--json", "--chat"])
+    main(["generate", "Hi", "--model", tiny_gpt2_dir, "--max-tokens", "2", "--json", "--chat", "--local"])
     chat = json.loads(capsys.readouterr().out)
     assert chat["num_prompt_tokens"] > plain["num_prompt_tokens"] + 3
 
@@ -43,7 +44,7 @@ def test_generate_chat_applies_template(tiny_gpt2_dir, capsys):
 def test_generate_bad_input_is_a_clear_error(tiny_gpt2_dir, capsys, args, message):
     """Bad values end with exit code 2 and a one-line error naming the field, not a traceback."""
     model = [] if "--model" in args else ["--model", tiny_gpt2_dir]
-    assert main(["generate", "Hi", *model, *args]) == 2
+    assert main(["generate", "Hi", "--local", *model, *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
 
