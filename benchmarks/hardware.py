@@ -196,7 +196,7 @@ def render(m: dict, hw: dict, pred: dict, rows: list[dict], args, load: float, o
         + (f"; doubling to {after} gained {rows[BATCHES.index(after)]['tps'] / rows[BATCHES.index(k)]['tps']:.2f}x."
            if after else "; no doubling measured fell below.")
         + f" B=1 is left out of the count: going from 1 to 2 gained {rows[1]['tps'] / rows[0]['tps']:.2f}x."
-        + (f" Doublings to B = {', '.join(map(str, close))} gained within 10% of 1.5x, so with the noise above the "
+        + (f" Doublings to B = {', '.join(map(str, close))} gained within 10% of 1.5x: given the noise above, the "
            "knee can move by a doubling between runs." if close else ""),
         f"Prefill for comparison: {pf_tokens} prompt tokens in one step took {pf_time:.2f} s = "
         f"{pf_tokens / pf_time:.0f} tokens/s = {2 * pred['P'] * pf_tokens / pf_time / 1e9:.0f} GFLOP/s.", "",
