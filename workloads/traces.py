@@ -1,0 +1,94 @@
+"""Real request traces as workloads: the Azure LLM inference CSV format and the Mooncake
+JSONL format. Only timing and lengths are read; prompts are made to the given length
+deterministically (`workload.prompt_token_ids`) and outputs forced to the given length.
+
+A trace is far beyond a small machine's capacity, so every reader takes a time scale
+(multiply inter-arrival gaps), a length scale (multiply prompt and output lengths), a sample
+(every k-th request, or the first n) and a start offset (seconds into the trace), all kept in
+the workload's params so a run says how it was replayed. Bad files get a TraceError naming
+the file and line.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from datetime import datetime
+from pathlib import Path
+
+from workloads.workload import Workload, WorkloadRequest
+
+AZURE_CONV = Path(__file__).parent / "data" / "azure_llm_2023_conv.csv"
+_AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+class TraceError(ValueError):
+    """A trace file is malformed; the message names the file and line."""
+
+
+def _scaled(raw: list[tuple[float, int, int, int]], path: Path, name: str, time_scale: float, length_scale: float,
+            every: int, limit: int | None, start_offset: float, extra: dict) -> Workload:
+    """raw: (seconds since the trace's first request, prompt, output, line). Checks, samples,
+    scales, and rebases arrivals to 0 at the first request kept."""
+    if time_scale <= 0 or length_scale <= 0 or every < 1:
+        raise TraceError(f"{path}: time_scale and length_scale must be > 0 and every >= 1")
+    previous = None
+    for t, prompt, output, line in raw:
+        if prompt < 0 or output < 0:
+            raise TraceError(f"{path}:{line}: negative length (prompt {prompt}, output {output})")
+        if previous is not None and t < previous:
+            raise TraceError(f"{path}:{line}: timestamp goes back in time ({t:.3f} s after {previous:.3f} s)")
+        previous = t
+    kept = [r for r in raw if r[0] >= start_offset][::every][:limit]
+    if not kept:
+        raise TraceError(f"{path}: no requests after start offset {start_offset} s")
+    t0 = kept[0][0]
+    requests = [WorkloadRequest((t - t0) * time_scale, max(1, round(p * length_scale)), max(1, round(o * length_scale)))
+                for t, p, o, _ in kept]
+    params = {"path": path.name, "time_scale": time_scale, "length_scale": length_scale, "every": every,
+              "limit": limit, "start_offset": start_offset, **extra}
+    return Workload(name, 0, requests, params)
+
+
+def read_azure_csv(path: str | Path = AZURE_CONV, time_scale: float = 1.0, length_scale: float = 1.0, every: int = 1,
+                   limit: int | None = None, start_offset: float = 0.0) -> Workload:
+    """The Azure LLM inference trace format: TIMESTAMP, ContextTokens, GeneratedTokens."""
+    path = Path(path)
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in _AZURE_COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise TraceError(f"{path}:1: missing column(s) {', '.join(missing)} (found {reader.fieldnames})")
+        raw, start = [], None
+        for line, row in enumerate(reader, start=2):
+            try:
+                when = datetime.fromisoformat(row["TIMESTAMP"][:26])  # 7 decimals: keep microseconds
+                prompt, output = int(row["ContextTokens"]), int(row["GeneratedTokens"])
+            except (TypeError, ValueError) as err:
+                raise TraceError(f"{path}:{line}: {err}") from None
+            start = start or when
+            raw.append(((when - start).total_seconds(), prompt, output, line))
+    return _scaled(raw, path, "azure-conv", time_scale, length_scale, every, limit, start_offset, {})
+
+
+def read_mooncake_jsonl(path: str | Path, time_scale: float = 1.0, length_scale: float = 1.0, every: int = 1,
+                        limit: int | None = None, start_offset: float = 0.0) -> Workload:
+    """The Mooncake format: one JSON object a line with `timestamp` (ms), `input_length`,
+    `output_length` (and `hash_ids`, not used here)."""
+    path = Path(path)
+    raw = []
+    with open(path) as f:
+        for line, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+                raw.append((float(row["timestamp"]) / 1000.0, int(row["input_length"]), int(row["output_length"]), line))
+            except KeyError as err:
+                raise TraceError(f"{path}:{line}: missing field {err}") from None
+            except (TypeError, ValueError) as err:
+                raise TraceError(f"{path}:{line}: {err}") from None
+    if raw:
+        first = raw[0][0]
+        raw = [(t - first, p, o, line) for t, p, o, line in raw]
+    return _scaled(raw, path, "mooncake", time_scale, length_scale, every, limit, start_offset, {})
