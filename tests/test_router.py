@@ -12,20 +12,10 @@ import sys
 import pytest
 import ray
 
+from replica.clock import FakeClock  # the router takes any clock with now(); tests may use replica's
 from router import (
     ROUTING_POLICIES, LoadReport, LoadView, ReplicaView, RouteRequest, Router, RoutingError, make_routing_policy,
 )
-
-
-class FakeClock:
-    def __init__(self, now: float = 0.0):
-        self._now = now
-
-    def now(self) -> float:
-        return self._now
-
-    def advance(self, seconds: float) -> None:
-        self._now += seconds
 
 
 def load(replica_id: str, queue: int = 0, running: int = 0, free: int = 4, slots: int = 4, t: float = 0.0) -> LoadReport:
