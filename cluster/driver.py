@@ -17,7 +17,7 @@ from tqdm import tqdm
 from cluster.client import Client, Result
 from cluster.deploy import Deployment
 from replica.errors import SlotServeError
-from workloads.workload import Workload, WorkloadRequest, prompt_token_ids
+from workloads.workload import Workload, WorkloadRequest, request_prompt
 
 REQUEST_BATCH = 32  # request rows per store write
 
@@ -45,7 +45,7 @@ async def _replay(client: Client, workload: Workload, run_id: int, store, vocab_
 
     async def one(i: int, spec: WorkloadRequest, planned: float) -> None:
         submitted = time.time()
-        prompt = prompt_token_ids(spec.prompt_len, seed * 1_000_003 + i, vocab_size)
+        prompt = request_prompt(seed, i, spec, vocab_size)
         rid = f"run{run_id}-{i}"
         try:
             result = await client.agenerate(prompt, session_id=spec.session_id, request_id=rid,

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from cluster.metrics import RequestTrace
 from replica.engine import Engine, StepRecord
-from workloads.workload import Workload, prompt_token_ids
+from workloads.workload import Workload, request_prompt
 
 
 @dataclass
@@ -35,7 +35,7 @@ def replay(engine: Engine, workload: Workload, seed: int = 0, progress: bool = F
         now = clock.now()
         while pending and t0 + pending[0][1].arrival <= now:
             i, spec = pending.popleft()
-            prompt = prompt_token_ids(spec.prompt_len, seed * 1_000_003 + i, engine.runner.vocab_size)
+            prompt = request_prompt(seed, i, spec, engine.runner.vocab_size)
             params = {"max_tokens": spec.output_len, "ignore_eos": True}
             rid = engine.add_request(prompt, params, request_id=f"{workload.name}-{i}", arrival_time=t0 + spec.arrival,
                                      oracle_output_len=spec.output_len)

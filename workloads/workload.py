@@ -44,3 +44,9 @@ def prompt_token_ids(length: int, seed: int, vocab_size: int) -> list[int]:
     rng = random.Random(seed)
     top = min(vocab_size, 32_000)
     return [rng.randrange(_FIRST_ORDINARY_TOKEN, top) for _ in range(length)]
+
+
+def request_prompt(workload_seed: int, index: int, request: WorkloadRequest, vocab_size: int) -> list[int]:
+    """The prompt of the `index`-th request of a workload replayed with `workload_seed`: the
+    same ids whether the in-process replay or the cluster driver sends it."""
+    return prompt_token_ids(request.prompt_len, workload_seed * 1_000_003 + index, vocab_size)
