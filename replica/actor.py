@@ -2,8 +2,8 @@
 
 It streams tokens straight to each client (one Ray streaming generator per client, one
 message per step), tells the router its load and each completion through the handle it is
-given, and pushes step samples to the metrics store in bounded batches. It knows the router and the store only as
-handles: `replica` imports neither package.
+given, and pushes step samples to the metrics store in bounded batches. It knows the router
+and the store only as handles: `replica` imports neither package.
 """
 
 from __future__ import annotations
@@ -92,9 +92,6 @@ class ReplicaActor:
 
     def abort(self, request_id: str) -> None:
         self.serving.abort(request_id)
-
-    def load(self) -> dict:
-        return asdict(self.serving.load())
 
     async def set_run(self, run_id: int | None) -> None:
         """Tag step samples from now on with this run (flushing the previous run's)."""
