@@ -257,9 +257,15 @@ def build_parser() -> argparse.ArgumentParser:
     _cluster_args(r)
     r.set_defaults(func=cmd_run)
 
+    from cluster.bench import add_bench_command
+    from cluster.calibrate import add_calibrate_command
+    from cluster.experiment import add_experiment_command
     from cluster.report import add_report_command
 
     add_report_command(sub)
+    add_experiment_command(sub)
+    add_bench_command(sub)
+    add_calibrate_command(sub)
     return parser
 
 

@@ -1,14 +1,18 @@
 """Replay a workload through a running cluster and record it in the metrics store.
 
-Each request is submitted at its planned time (the driver records how late it was, so a
-slow driver cannot pass for a slow cluster) with many requests in flight at once; each
-finished request is written with its client-side timestamps in batches. The run is marked
-complete only when every request has ended and the replicas and router have flushed: a run
-cut short (Ctrl-C, a killed driver) keeps what was recorded and reads as incomplete."""
+Requests are submitted when the workload's `ArrivalSchedule` says (the driver records how
+late each was against its planned time, so a slow driver cannot pass for a slow cluster),
+many in flight at once; each end is reported back to the schedule (a closed loop's next
+request depends on it), and each finished request is written with its client-side timestamps
+in batches. The run's config carries the workload's spec, so the run can be replayed exactly.
+The run is marked complete only when every request has ended and the replicas and router
+have flushed: a run cut short (Ctrl-C, a killed driver) keeps what was recorded and reads as
+incomplete."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import ray
@@ -17,26 +21,33 @@ from tqdm import tqdm
 from cluster.client import Client, Result
 from cluster.deploy import Deployment
 from replica.errors import SlotServeError
+from workloads.schedule import ArrivalSchedule
 from workloads.workload import Workload, WorkloadRequest, request_prompt
 
 REQUEST_BATCH = 32  # request rows per store write
 
 
 def request_row(spec: WorkloadRequest, result: Result, planned: float, submitted: float) -> dict:
+    """A finished request as a row of the store's `requests` table (the simulator writes its
+    rows through this too). Times may be virtual and start at 0, so a missing one is None,
+    never a falsy 0."""
     return {
         "request_id": result.request_id, "replica_id": result.replica_id, "session_id": spec.session_id,
-        "planned_arrival": planned, "arrival": result.arrival or submitted, "submit_lateness": submitted - planned,
+        "planned_arrival": planned, "arrival": submitted if result.arrival is None else result.arrival,
+        "submit_lateness": submitted - planned,
         "first_token": result.token_times[0] if result.token_times else None,
-        "completion": result.completion or time.time(), "prompt_len": spec.prompt_len,
+        "completion": time.time() if result.completion is None else result.completion, "prompt_len": spec.prompt_len,
         "output_len": len(result.token_ids), "max_tokens": spec.output_len, "finish_reason": result.finish_reason,
         "error": result.error, "token_times": result.token_times,
     }
 
 
-async def _replay(client: Client, workload: Workload, run_id: int, store, vocab_size: int, seed: int,
-                  progress: bool) -> None:
+async def _replay(client: Client, workload: Workload, run_id: int, store, replicas: list, vocab_size: int,
+                  seed: int, progress: bool) -> None:
     rows: list[dict] = []
     bar = tqdm(total=len(workload.requests), desc=workload.name, unit="req", disable=not progress)
+    schedule = ArrivalSchedule(workload)
+    wake = asyncio.Event()  # set at every end: a closed loop may have released a request
 
     async def flush() -> None:
         batch, rows[:] = list(rows), []
@@ -53,19 +64,36 @@ async def _replay(client: Client, workload: Workload, run_id: int, store, vocab_
         except SlotServeError as err:
             reason = "rejected" if isinstance(err, ValueError) else "error"
             result = Result(rid, None, submitted, finish_reason=reason, error=str(err), completion=time.time())
+        finally:  # even an unexpected error (raised at the gather below) ends the request for its user
+            schedule.finished(i, time.time() - t0)
+            wake.set()
         rows.append(request_row(spec, result, planned, submitted))
         bar.update(1)
         if len(rows) >= REQUEST_BATCH:
             await flush()
 
+    async def tell_replicas(arrivals_done: bool) -> None:
+        """Whether a request may come before a running one ends (a static batch waits to be
+        full only if one may)."""
+        nonlocal told
+        if arrivals_done != told:
+            told = arrivals_done
+            await asyncio.gather(*[r.set_arrivals_done.remote(arrivals_done) for r in replicas])
+
     t0 = time.time()
-    tasks = []
+    tasks, told = [], False
     try:
-        for i, spec in enumerate(workload.requests):
-            delay = t0 + spec.arrival - time.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, spec, t0 + spec.arrival)))
+        while True:
+            for i, spec, planned in schedule.due(time.time(), t0):
+                tasks.append(asyncio.create_task(one(i, spec, t0 + planned)))
+            await tell_replicas(schedule.next_time() is None)
+            if schedule.done:
+                break
+            wake.clear()  # no await since due(): no end was missed
+            next_time = schedule.next_time()
+            timeout = None if next_time is None else max(0.0, t0 + next_time - time.time())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), timeout)
         await asyncio.gather(*tasks)
     finally:
         await flush()  # keep what finished, even when cut short
@@ -76,12 +104,14 @@ def run_workload(deployment: Deployment, workload: Workload, *, name: str, confi
                  routing_policy: str, seed: int = 0, slo: dict | None = None, progress: bool = True) -> int:
     """Replay `workload` and return its run id in the store."""
     store = deployment.store
+    config = {**config, "workload_spec": workload.spec}
     run_id = ray.get(store.begin_run.remote(name, config, batching_policy, routing_policy, seed, slo))
     actors = [deployment.router, *deployment.replicas.values()]
     ray.get([a.set_run.remote(run_id) for a in actors])
     vocab = ray.get(next(iter(deployment.replicas.values())).info.remote())["vocab_size"]
     with Client() as client:
-        asyncio.run(_replay(client, workload, run_id, store, vocab, seed, progress))
+        asyncio.run(_replay(client, workload, run_id, store, list(deployment.replicas.values()), vocab, seed,
+                            progress))
     ray.get([a.flush.remote() for a in actors])
     ray.get(store.end_run.remote(run_id, "complete"))
     return run_id

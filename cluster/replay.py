@@ -1,17 +1,19 @@
 """Replay a workload through one engine in this process, keeping its schedule: each request
-is submitted when the engine's clock passes its arrival time (stamped with the planned time,
-so waiting for a running step counts in its TTFT), and every step is recorded. On a
+is submitted when the engine's clock passes its planned arrival (stamped with the planned time,
+so waiting for a running step counts in its TTFT), each finished one is reported back to the
+schedule (a closed loop's next request depends on it), and every step is recorded. On a
 FakeClock this is exact and instant; on the wall clock it measures the real engine."""
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
 from cluster.metrics import RequestTrace
 from replica.engine import Engine, StepRecord
+from replica.request import Request
+from workloads.schedule import ArrivalSchedule
 from workloads.workload import Workload, request_prompt
 
 
@@ -27,32 +29,37 @@ class ReplayResult:
 def replay(engine: Engine, workload: Workload, seed: int = 0, progress: bool = False, desc: str = "") -> ReplayResult:
     clock = engine.clock
     t0 = clock.now()
-    pending = deque(sorted(enumerate(workload.requests), key=lambda item: item[1].arrival))
-    requests, steps, lateness = {}, [], []
-    bar = tqdm(total=len(pending), desc=desc or workload.name, unit="req", disable=not progress, leave=False)
-    engine.scheduler.arrivals_done = False
-    while pending or engine.has_unfinished:
+    schedule = ArrivalSchedule(workload)
+    requests, index_of, steps, lateness = {}, {}, [], []
+    bar = tqdm(total=len(workload.requests), desc=desc or workload.name, unit="req", disable=not progress, leave=False)
+    while not schedule.done or engine.has_unfinished:
         now = clock.now()
-        while pending and t0 + pending[0][1].arrival <= now:
-            i, spec = pending.popleft()
+        for i, spec, planned in schedule.due(now, t0):
             prompt = request_prompt(seed, i, spec, engine.runner.vocab_size)
             params = {"max_tokens": spec.output_len, "ignore_eos": True}
-            rid = engine.add_request(prompt, params, request_id=f"{workload.name}-{i}", arrival_time=t0 + spec.arrival,
+            rid = engine.add_request(prompt, params, request_id=f"{workload.name}-{i}", arrival_time=t0 + planned,
                                      oracle_output_len=spec.output_len)
-            requests[rid] = engine.requests[rid]
-            lateness.append(now - (t0 + spec.arrival))
-        if not pending:
-            engine.scheduler.close_arrivals()
+            requests[rid], index_of[rid] = engine.requests[rid], i
+            lateness.append(now - (t0 + planned))
+        # With no request due before a running one ends, a static batch need not wait to be full.
+        engine.scheduler.arrivals_done = schedule.next_time() is None
         result = engine.step()
-        bar.update(sum(o.finished for o in result.outputs))
+        for output in result.outputs:
+            if output.finished:
+                schedule.finished(index_of[output.request_id], output.time - t0)
+                bar.update(1)
         if result.record is not None:
             steps.append(result.record)
             continue
-        engine.wait_idle(t0 + pending[0][1].arrival if pending else None)
+        next_time = schedule.next_time()
+        engine.wait_idle(None if next_time is None else t0 + next_time)
     bar.close()
-    traces = [
-        RequestTrace(rid, r.arrival_time, r.token_times, r.token_times[-1] if r.token_times else clock.now(),
-                     r.finish_reason.value, r.num_prompt_tokens, num_preemptions=r.num_preemptions)
-        for rid, r in requests.items()
-    ]
-    return ReplayResult(traces, steps, lateness)
+    return ReplayResult([request_trace(r, clock.now()) for r in requests.values()], steps, lateness)
+
+
+def request_trace(request: Request, end: float, replica: str | None = None) -> RequestTrace:
+    """A finished request as its client saw it: completion at its last token (`end` when it
+    made none)."""
+    return RequestTrace(request.request_id, request.arrival_time, request.token_times,
+                        request.token_times[-1] if request.token_times else end, request.finish_reason.value,
+                        request.num_prompt_tokens, replica, request.num_preemptions)

@@ -18,10 +18,9 @@ import ray
 
 from replica.engine import RequestOutput, StepRecord
 from replica.errors import SlotServeError
-from replica.serving import AsyncEngine, LoadSnapshot, ReplicaConfig, build_engine
+from replica.serving import AsyncEngine, LoadSnapshot, ReplicaConfig, build_engine, report_due, step_row
 
 STEP_BATCH = 64  # step samples per store write
-REPORT_INTERVAL = 0.02  # seconds between load reports while busy
 
 
 @ray.remote
@@ -94,9 +93,15 @@ class ReplicaActor:
         self.serving.abort(request_id)
 
     async def set_run(self, run_id: int | None) -> None:
-        """Tag step samples from now on with this run (flushing the previous run's)."""
+        """Tag step samples from now on with this run (flushing the previous run's); its
+        requests are still to come."""
         await self.flush()
         self.run_id = run_id
+        self.serving.set_arrivals_done(False)
+
+    def set_arrivals_done(self, done: bool) -> None:
+        """The driver says whether more requests may come before a running one ends."""
+        self.serving.set_arrivals_done(done)
 
     async def flush(self) -> int:
         """Push buffered step samples to the store and wait until they are written."""
@@ -109,13 +114,7 @@ class ReplicaActor:
     def _on_step(self, record: StepRecord) -> None:
         if self.run_id is None:
             return
-        self._steps.append({
-            "replica_id": self.replica_id, "step": record.step, "time": record.start, "duration": record.duration,
-            "live_slots": record.live_slots, "num_slots": self.serving.engine.config.num_slots,
-            "queue_depth": record.queue_depth, "decode_tokens": record.num_decode_tokens,
-            "prefill_tokens": record.num_prefill_tokens, "useful_rows": record.useful_rows,
-            "computed_rows": record.computed_rows, "preemptions": record.num_preemptions,
-        })
+        self._steps.append(step_row(self.replica_id, record, self.serving.engine.config.num_slots))
         if len(self._steps) >= STEP_BATCH and self.store is not None:
             rows, self._steps = self._steps, []
             self.store.add_steps.remote(self.run_id, rows)  # fire and forget: never stall the loop
@@ -126,7 +125,7 @@ class ReplicaActor:
 
     def _on_load(self, load: LoadSnapshot) -> None:
         now = time.monotonic()
-        if self.router is None or (load.running and now - self._last_report < REPORT_INTERVAL):
+        if self.router is None or not report_due(load, now - self._last_report):
             return
         self._last_report = now
         self.router.report.remote({"replica_id": self.replica_id, **asdict(load)})

@@ -66,3 +66,34 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         o = o.view(slots, num_kv, meta.q_per_kv, g.q_max, head_dim).permute(0, 3, 1, 2, 4)
         out[g.token_idx] = o[g.q_row, g.q_off].reshape(-1, num_heads * head_dim)
     return out
+
+
+# ---- the paged cache ---------------------------------------------------------------------
+
+@dataclass
+class PagedAttentionMetadata:
+    """The paged cache's step layout. K/V are written at (block, offset); for attention, the
+    step's sequences are numbered 0..n-1 (single-token rows first, so each group's sequences
+    are contiguous) and their blocks gathered into a padded copy laid out like the slot cache,
+    which `slot_attention` then reads with `dense` (its groups index those numbers)."""
+
+    block_ids: torch.Tensor  # [T] block each token's K/V is written to
+    block_offsets: torch.Tensor  # [T] its offset within that block
+    block_tables: torch.Tensor  # [seqs, blocks] each sequence's blocks, padded
+    dense: AttentionMetadata
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: PagedAttentionMetadata) -> torch.Tensor:
+    """q: [T, heads, head_dim] -> [T, heads * head_dim]. The blocks are copied, not viewed (a
+    paged-attention kernel would read them in place); the attention itself is the slot path's."""
+    return slot_attention(q, gather_blocks(k_cache, meta.block_tables), gather_blocks(v_cache, meta.block_tables),
+                          meta.dense)
+
+
+def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[blocks, kv_heads, block_size, head_dim] through tables [seqs, n] -> [seqs, kv_heads, n * block_size, head_dim]."""
+    seqs, n = tables.shape
+    _, kv_heads, block_size, head_dim = cache.shape
+    blocks = cache.index_select(0, tables.flatten()).view(seqs, n, kv_heads, block_size, head_dim)
+    return blocks.transpose(1, 2).reshape(seqs, kv_heads, n * block_size, head_dim)

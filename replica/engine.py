@@ -109,13 +109,13 @@ class Engine:
             from replica.model_runner import ModelRunner  # torch only when a real model is asked for
 
             c = self.config
-            runner = ModelRunner(c.model, c.num_slots, c.max_seq_len, c.dtype, c.device, c.seed)
+            runner = ModelRunner(c.model, c.num_slots, c.max_seq_len, c.dtype, c.device, c.seed,
+                                 kv_cache=c.kv_cache, block_size=c.block_size, num_blocks=c.num_blocks)
         if self.config.max_seq_len > runner.max_model_len:  # a slot can't hold more than the model's context
             self.config = self.config.model_copy(update={"max_seq_len": runner.max_model_len})
-        cache = getattr(runner, "cache", None)  # a shared runner's cache must hold this engine's slots
-        if cache is not None and (self.config.num_slots > cache.num_slots or self.config.max_seq_len > cache.max_seq_len):
-            raise ConfigError(f"the runner's cache has {cache.num_slots} slots of {cache.max_seq_len} tokens; this engine "
-                              f"wants {self.config.num_slots} of {self.config.max_seq_len}")
+        cache = getattr(runner, "cache", None)  # a shared runner's cache must hold this engine's slots or blocks
+        if cache is not None and (problem := cache.mismatch(self.config)) is not None:
+            raise ConfigError(problem)
         self.runner = runner
         self.tokenizer = runner.tokenizer
         self.scheduler = make_scheduler(self.config.policy, self.config, self.clock)

@@ -1,7 +1,12 @@
-"""The slot K/V cache: per layer, one preallocated K and one V tensor of shape
-[slots, kv_heads, max_seq_len, head_dim]. A step writes each new token's K/V in place at
-(slot, position); a finished request's slot is simply reused by the next one, so joining
-and leaving cost nothing."""
+"""The K/V caches: per layer, one preallocated K and one V tensor of shape
+[rows, kv_heads, cols, head_dim], written in place at (row, col) by each step.
+
+- `SlotKVCache`: a row per slot, [slots, kv_heads, max_seq_len, head_dim], written at
+  (slot, position); a finished request's slot is simply reused by the next one, so joining
+  and leaving cost nothing, but every slot sets aside max_seq_len tokens.
+- `PagedKVCache`: a row per block, [blocks + 1, kv_heads, block_size, head_dim], written at
+  (block, offset) through the request's block table (see `block_manager.py`), so memory is
+  taken block by block as a request grows."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from replica.scheduler import SchedulerConfig
 from replica.slot_table import SlotTable
 
 
@@ -21,20 +27,37 @@ class KVCacheStats:
     total_bytes: int  # the whole preallocated cache
 
 
-class SlotKVCache:
-    def __init__(self, num_layers: int, num_slots: int, max_seq_len: int, num_kv_heads: int, head_dim: int,
+class KVCache:
+    """The tensors both layouts share, and the in-place write."""
+
+    def __init__(self, num_layers: int, rows: int, cols: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str = "cpu"):
-        shape = (num_slots, num_kv_heads, max_seq_len, head_dim)
-        # Zeros, not empty: padded attention rows read slot rows nobody wrote, and must see finite values.
+        shape = (rows, num_kv_heads, cols, head_dim)
+        # Zeros, not empty: padded attention rows read cache rows nobody wrote, and must see finite values.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * self.k[0].element_size()
 
-    def write(self, layer: int, slot_ids: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [tokens, kv_heads, head_dim], token t going to (slot_ids[t], positions[t])."""
-        self.k[layer][slot_ids, :, positions] = k
-        self.v[layer][slot_ids, :, positions] = v
+    def write(self, layer: int, rows: torch.Tensor, cols: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [tokens, kv_heads, head_dim], token t going to (rows[t], cols[t])."""
+        self.k[layer][rows, :, cols] = k
+        self.v[layer][rows, :, cols] = v
+
+
+class SlotKVCache(KVCache):
+    def __init__(self, num_layers: int, num_slots: int, max_seq_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        super().__init__(num_layers, num_slots, max_seq_len, num_kv_heads, head_dim, dtype, device)
+        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+
+    def mismatch(self, config: SchedulerConfig) -> str | None:
+        """Why an engine with `config` cannot use this cache (None: it can)."""
+        if config.kv_cache != "slot":
+            return f"the runner's cache is a slot cache; this engine wants kv_cache={config.kv_cache!r}"
+        if config.num_slots > self.num_slots or config.max_seq_len > self.max_seq_len:
+            return (f"the runner's cache has {self.num_slots} slots of {self.max_seq_len} tokens; this engine "
+                    f"wants {config.num_slots} of {config.max_seq_len}")
+        return None
 
     def stats(self, slots: SlotTable) -> KVCacheStats:
         owners = [r for s in range(self.num_slots) if (r := slots.owner(s)) is not None]
@@ -46,3 +69,23 @@ class SlotKVCache:
             used_bytes=tokens * self.bytes_per_token,
             total_bytes=self.num_slots * self.max_seq_len * self.bytes_per_token,
         )
+
+
+class PagedKVCache(KVCache):
+    """`num_blocks` blocks for the block manager, and one more, `scratch_block`, that pads block
+    tables and takes the K/V writes of rows whose result is thrown away (a static batch's held
+    rows), so no such write lands in a block another request may share."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        super().__init__(num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype, device)
+        self.num_blocks, self.block_size, self.scratch_block = num_blocks, block_size, num_blocks
+
+    def mismatch(self, config: SchedulerConfig) -> str | None:
+        """Why an engine with `config` cannot use this cache (None: it can)."""
+        if config.kv_cache != "paged":
+            return f"the runner's cache is a paged cache; this engine wants kv_cache={config.kv_cache!r}"
+        if config.block_size != self.block_size or config.num_blocks > self.num_blocks:
+            return (f"the runner's cache has {self.num_blocks} blocks of {self.block_size} tokens; this engine "
+                    f"wants {config.num_blocks} of {config.block_size}")
+        return None

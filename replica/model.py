@@ -13,8 +13,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from replica.attention import AttentionMetadata, slot_attention
-from replica.kv_cache import SlotKVCache
+from replica.attention import AttentionMetadata, PagedAttentionMetadata, paged_attention, slot_attention
+from replica.kv_cache import PagedKVCache, SlotKVCache
+from replica.linear import Linear
+
+# The weight matrices of a layer (and the LM head) that go through Linear.
+_MATRICES = ("qkv", "o", "gate_up", "up", "down", "lm_head")
 
 
 @dataclass(frozen=True)
@@ -56,10 +60,13 @@ class ModelShape:
 class Decoder:
     """Weights as a flat dict of tensors (no nn.Module: nothing here trains)."""
 
-    def __init__(self, shape: ModelShape, state: dict[str, torch.Tensor]):
+    def __init__(self, shape: ModelShape, state: dict[str, torch.Tensor], pack_weights: bool = True):
         self.shape = shape
-        self.w = state
         self.dtype = state["embed"].dtype
+        # Matrices become Linear (prepacked where that pays); norms, embeddings and biases stay plain.
+        matrices = [k for k in state if k.rsplit(".", 1)[-1] in _MATRICES]
+        self.linear = {k: Linear(state[k], state.get(k + "_bias"), pack_weights) for k in matrices}
+        self.w = {k: v for k, v in state.items() if k not in matrices}
         if shape.family == "llama":
             device = state["embed"].device
             inv_freq = 1.0 / shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim)
@@ -70,11 +77,12 @@ class Decoder:
 
     # ---- building from Hugging Face ------------------------------------------------------
     @classmethod
-    def from_hf(cls, hf_model, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "Decoder":
+    def from_hf(cls, hf_model, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                pack_weights: bool = True) -> "Decoder":
         shape = ModelShape.from_hf_config(hf_model.config)
         sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
         state = _gpt2_state(sd, shape) if shape.family == "gpt2" else _llama_state(sd, shape)
-        return cls(shape, {k: v.to(device, dtype).contiguous() for k, v in state.items()})
+        return cls(shape, {k: v.to(device, dtype).contiguous() for k, v in state.items()}, pack_weights)
 
     # ---- the forward pass ---------------------------------------------------------------
     def _norm(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
@@ -94,11 +102,11 @@ class Decoder:
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        meta: AttentionMetadata,
-        cache: SlotKVCache,
+        meta: AttentionMetadata | PagedAttentionMetadata,
+        cache: SlotKVCache | PagedKVCache,
         logit_rows: torch.Tensor,  # rows of the flat batch whose next-token logits are wanted
     ) -> torch.Tensor:
-        s, w = self.shape, self.w
+        s, w, linear = self.shape, self.w, self.linear
         x = w["embed"][input_ids]
         if s.family == "gpt2":
             x = x + w["pos_embed"][positions]
@@ -106,24 +114,28 @@ class Decoder:
         for i in range(s.num_layers):
             p = f"layers.{i}"
             h = self._norm(x, p + ".attn_norm")
-            qkv = F.linear(h, w[p + ".qkv"], w.get(p + ".qkv_bias"))
+            qkv = linear[p + ".qkv"](h)
             q = qkv[:, :num_q].view(-1, s.num_heads, d)
             k = qkv[:, num_q : num_q + num_kv].view(-1, s.num_kv_heads, d)
             v = qkv[:, num_q + num_kv :].view(-1, s.num_kv_heads, d)
             if s.family == "llama":
                 q, k = self._rope(q, positions), self._rope(k, positions)
-            cache.write(i, meta.slot_ids, positions, k, v)
-            attn = slot_attention(q, cache.k[i], cache.v[i], meta)
-            x = x + F.linear(attn, w[p + ".o"], w.get(p + ".o_bias"))
+            if isinstance(meta, PagedAttentionMetadata):  # paged cache: write at (block, offset), read via block tables
+                cache.write(i, meta.block_ids, meta.block_offsets, k, v)
+                attn = paged_attention(q, cache.k[i], cache.v[i], meta)
+            else:
+                cache.write(i, meta.slot_ids, positions, k, v)
+                attn = slot_attention(q, cache.k[i], cache.v[i], meta)
+            x = x + linear[p + ".o"](attn)
             h = self._norm(x, p + ".mlp_norm")
             if s.family == "gpt2":
-                h = F.gelu(F.linear(h, w[p + ".up"], w[p + ".up_bias"]), approximate="tanh")
+                h = F.gelu(linear[p + ".up"](h), approximate="tanh")
             else:
-                gate, up = F.linear(h, w[p + ".gate_up"]).chunk(2, dim=-1)
+                gate, up = linear[p + ".gate_up"](h).chunk(2, dim=-1)
                 h = F.silu(gate) * up
-            x = x + F.linear(h, w[p + ".down"], w.get(p + ".down_bias"))
+            x = x + linear[p + ".down"](h)
         x = self._norm(x[logit_rows], "final_norm")
-        return F.linear(x, w["lm_head"]).float()
+        return linear["lm_head"](x).float()
 
 
 def _llama_state(sd: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from replica.attention import AttentionMetadata, build_group
-from replica.kv_cache import SlotKVCache
+from replica.attention import AttentionGroup, AttentionMetadata, PagedAttentionMetadata, build_group
+from replica.kv_cache import PagedKVCache, SlotKVCache
 from replica.model import Decoder
 from replica.model_loader import load_hf_model
+from replica.request import Request
 from replica.sampler import Sampler
 from replica.scheduler import SchedulerOutput
 
@@ -25,7 +26,10 @@ def pick_device(device: str) -> str:
 
 class ModelRunner:
     def __init__(self, model: str, num_slots: int, max_seq_len: int, dtype: str = "float32",
-                 device: str = "auto", seed: int = 0):
+                 device: str = "auto", seed: int = 0, kv_cache: str = "slot", block_size: int = 16,
+                 num_blocks: int | None = None):
+        """kv_cache "slot": num_slots rows of max_seq_len tokens; "paged": num_blocks blocks of
+        block_size tokens (default: the same memory, num_slots * max_seq_len tokens)."""
         self.device = pick_device(device)
         hf, self.tokenizer = load_hf_model(model, seed=seed)
         self.model = Decoder.from_hf(hf, DTYPES[dtype], self.device)
@@ -35,8 +39,12 @@ class ModelRunner:
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_token_ids = {t for t in (*eos, self.tokenizer.eos_token_id) if t is not None}
         del hf
-        self.cache = SlotKVCache(shape.num_layers, num_slots, max_seq_len, shape.num_kv_heads, shape.head_dim,
-                                 DTYPES[dtype], self.device)
+        kv_shape = (shape.num_kv_heads, shape.head_dim, DTYPES[dtype], self.device)
+        if kv_cache == "paged":
+            num_blocks = num_blocks or num_slots * max_seq_len // block_size
+            self.cache: SlotKVCache | PagedKVCache = PagedKVCache(shape.num_layers, num_blocks, block_size, *kv_shape)
+        else:
+            self.cache = SlotKVCache(shape.num_layers, num_slots, max_seq_len, *kv_shape)
         self.sampler = Sampler(seed)
 
     def release(self, request_id: str) -> None:
@@ -62,6 +70,7 @@ class ModelRunner:
             single += [chunk.num_tokens == 1] * chunk.num_tokens
             if chunk.samples:
                 logit_rows.append(len(ids) - 1)
+        num_useful = len(ids)  # rows after these are a static batch's held rows
         for held in out.held_rows:
             # Padding: recompute the row's last token in place (same K/V, same value), as a
             # padded static batch would, and throw the result away.
@@ -72,14 +81,44 @@ class ModelRunner:
                 slots.append(held.slot)
                 offsets.append(0)
                 single.append(True)
-        # Two attention groups, so single-token rows are not padded to a long prefill chunk.
         q_per_kv = self.model.shape.num_heads // self.model.shape.num_kv_heads
-        groups = [
-            build_group(rows, [slots[i] for i in rows], [offsets[i] for i in rows], [positions[i] for i in rows],
-                        q_per_kv, self.device)
-            for flag in (True, False) if (rows := [i for i, s in enumerate(single) if s is flag])
-        ]
-        meta = AttentionMetadata(self._tensor(slots), groups, q_per_kv)
+        if isinstance(self.cache, PagedKVCache):
+            owners = [c.request for c in out.chunks] + list(out.held_rows)
+            meta = self._paged_metadata(owners, slots, positions, offsets, single, num_useful, q_per_kv)
+        else:
+            meta = AttentionMetadata(self._tensor(slots), self._groups(slots, offsets, positions, single, q_per_kv),
+                                     q_per_kv)
         logits = self.model.forward(self._tensor(ids), self._tensor(positions), meta, self.cache,
                                     self._tensor(logit_rows))
         return self.sampler.sample(logits, [c.request for c in out.chunks if c.samples])
+
+    def _groups(self, seqs: list[int], offsets: list[int], positions: list[int], single: list[bool],
+                q_per_kv: int) -> list[AttentionGroup]:
+        """Two attention groups, so single-token rows are not padded to a long prefill chunk.
+        seqs: each row's sequence (its slot, or its number in the paged cache's gathered copy)."""
+        return [
+            build_group(rows, [seqs[i] for i in rows], [offsets[i] for i in rows], [positions[i] for i in rows],
+                        q_per_kv, self.device)
+            for flag in (True, False) if (rows := [i for i, s in enumerate(single) if s is flag])
+        ]
+
+    def _paged_metadata(self, owners: list[Request], slots: list[int], positions: list[int], offsets: list[int],
+                        single: list[bool], num_useful: int, q_per_kv: int) -> PagedAttentionMetadata:
+        """Where each row writes (block, offset) and how the step's sequences' blocks are
+        gathered. Held rows write to the scratch block: their result is thrown away, and their
+        last block may be a full one other requests share."""
+        block_size, scratch = self.cache.block_size, self.cache.scratch_block
+        by_slot = {r.slot: r for r in owners}
+        single_of = dict(zip(slots, single))
+        order = sorted(single_of, key=lambda s: (not single_of[s], s))  # each group's sequences contiguous
+        number = {s: n for n, s in enumerate(order)}
+        width = -(-(max(positions) + 1) // block_size)
+        tables = [by_slot[s].block_table[:width] for s in order]
+        block_ids = [by_slot[s].block_table[p // block_size] if i < num_useful else scratch
+                     for i, (s, p) in enumerate(zip(slots, positions))]
+        seqs = [number[s] for s in slots]
+        return PagedAttentionMetadata(
+            self._tensor(block_ids), self._tensor([p % block_size for p in positions]),
+            self._tensor([t + [scratch] * (width - len(t)) for t in tables]),
+            AttentionMetadata(self._tensor(seqs), self._groups(seqs, offsets, positions, single, q_per_kv), q_per_kv),
+        )

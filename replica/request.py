@@ -105,6 +105,10 @@ class Request:
     # Tokens (prompt + output) whose K/V are in this request's slot.
     num_computed_tokens: int = 0
     slot: int | None = None
+    # Paged cache only: the blocks holding this request's K/V, in position order, and the
+    # chained hashes of its full blocks (kept across preemption: tokens are append-only).
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None

@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from replica.block_manager import PagedSlotTable
 from replica.clock import Clock
 from replica.errors import InvariantViolation
 from replica.request import FinishReason, Request, RequestStatus
@@ -30,6 +31,23 @@ class SchedulerConfig(BaseModel):
     kv_budget_tokens: int | None = Field(None, gt=0, description="K/V tokens for all slots together (default: all full)")
     token_budget: int = Field(256, gt=0, description="`chunked`: tokens per step, decodes first, then prefill chunks")
     max_wait: float = Field(0.5, ge=0.0, description="`dynamic`: seconds the oldest waiting request may wait for a full batch")
+    kv_cache: Literal["slot", "paged"] = Field(
+        "slot", description='"slot": each request reserves a max_seq_len row; "paged": blocks taken as it grows')
+    block_size: int = Field(16, gt=0, description="`paged`: K/V tokens per block")
+    prefix_caching: bool = Field(False, description="`paged`: requests share the blocks of identical prompt prefixes")
+
+    @property
+    def num_blocks(self) -> int:
+        """`paged`: the K/V budget in whole blocks."""
+        return (self.kv_budget_tokens or self.num_slots * self.max_seq_len) // self.block_size
+
+    @model_validator(mode="after")
+    def _paged_options(self) -> "SchedulerConfig":
+        if self.prefix_caching and self.kv_cache != "paged":
+            raise ValueError("prefix_caching shares blocks, so it needs kv_cache='paged'")
+        if self.kv_cache == "paged" and self.num_blocks == 0:
+            raise ValueError(f"the K/V budget holds no whole block of block_size={self.block_size} tokens")
+        return self
 
 
 @dataclass
@@ -77,12 +95,17 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, clock: Clock):
         self.config = config
         self.clock = clock
-        self.slots = SlotTable(config.num_slots, config.max_seq_len, config.kv_budget_tokens)
+        if config.kv_cache == "paged":
+            self.slots: SlotTable = PagedSlotTable(config.num_slots, config.max_seq_len, config.num_blocks,
+                                                   config.block_size, config.prefix_caching)
+        else:
+            self.slots = SlotTable(config.num_slots, config.max_seq_len, config.kv_budget_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the youngest
         self.held: list[Request] = []
         self.arrivals_done = False
         self.num_preemptions = 0
+        self.num_prefix_cached_tokens = 0  # tokens admission skipped: their K/V were in the prefix cache
 
     # ---- hooks the policies override -------------------------------------------------
     def _admission_open(self, now: float) -> bool:
@@ -132,14 +155,17 @@ class Scheduler:
                 budget -= num
         if self.waiting and self._admission_open(self.clock.now()):
             for request in self._admission_order():
-                num = int(min(request.num_pending_tokens, budget))
-                if num <= 0 or not self.slots.can_admit(num):
+                cached = self.slots.cached_prefix_tokens(request)  # prefix caching: K/V already computed
+                num = int(min(request.num_pending_tokens - cached, budget))
+                if num <= 0 or not self.slots.can_admit(request, cached + num):
                     break
                 self.waiting.remove(request)
-                self.slots.admit(request, num)
+                self.slots.admit(request, cached + num)
+                request.num_computed_tokens = cached
+                self.num_prefix_cached_tokens += cached
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
-                out.chunks.append(ScheduledChunk(request, 0, num, is_decode=False))
+                out.chunks.append(ScheduledChunk(request, cached, num, is_decode=False))
                 budget -= num
         out.chunks = self._compose(out.chunks)
         out.held_rows = list(self.held) if out.chunks else []

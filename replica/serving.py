@@ -38,6 +38,11 @@ def build_engine(config: ReplicaConfig) -> Engine:
     return Engine(config.engine, ScriptedFakeRunner(clock, FlatCostModel(config.fake_step_seconds)), clock)
 
 
+# Seconds between load reports while requests run; an idle replica reports at once, so the
+# router learns of freed slots without delay.
+REPORT_INTERVAL = 0.02
+
+
 @dataclass
 class LoadSnapshot:
     queue_depth: int
@@ -46,6 +51,30 @@ class LoadSnapshot:
     num_slots: int
     free_kv_tokens: int
     time: float
+
+
+def load_snapshot(engine: Engine, queued: int = 0) -> LoadSnapshot:
+    """The engine's load at a step boundary; `queued` counts submissions not yet in its queue."""
+    s = engine.scheduler
+    return LoadSnapshot(len(s.waiting) + queued, len(s.running), s.slots.num_free_slots, s.slots.num_slots,
+                        s.slots.free_kv_tokens, engine.clock.now())
+
+
+def report_due(load: LoadSnapshot, since_last: float) -> bool:
+    """Whether a replica sends this snapshot to the router (the cluster and the simulator
+    throttle alike): always when idle, else at most every REPORT_INTERVAL."""
+    return not load.running or since_last >= REPORT_INTERVAL
+
+
+def step_row(replica_id: str, record: StepRecord, num_slots: int) -> dict:
+    """A step record as a row of the metrics store's `steps` table."""
+    return {
+        "replica_id": replica_id, "step": record.step, "time": record.start, "duration": record.duration,
+        "live_slots": record.live_slots, "num_slots": num_slots, "queue_depth": record.queue_depth,
+        "decode_tokens": record.num_decode_tokens, "prefill_tokens": record.num_prefill_tokens,
+        "useful_rows": record.useful_rows, "computed_rows": record.computed_rows,
+        "preemptions": record.num_preemptions,
+    }
 
 
 @dataclass
@@ -71,6 +100,13 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._task: asyncio.Task | None = None
+        self._arrivals_done = False
+
+    def set_arrivals_done(self, done: bool) -> None:
+        """Whether more requests may come before one of the running ones ends. Only the driver
+        knows; with none coming, a static batch need not wait to be full."""
+        self._arrivals_done = done
+        self._wake.set()
 
     async def submit(self, prompt: str | list[int], params: SamplingParams | dict | None, request_id: str,
                      arrival_time: float | None, sink: Callable[[RequestOutput], None]) -> None:
@@ -105,9 +141,7 @@ class AsyncEngine:
         self._wake.set()
 
     def load(self) -> LoadSnapshot:
-        s = self.engine.scheduler
-        return LoadSnapshot(len(s.waiting) + sum(isinstance(i, _Submission) for i in self._inbox), len(s.running),
-                            s.slots.num_free_slots, s.slots.num_slots, s.slots.free_kv_tokens, self.engine.clock.now())
+        return load_snapshot(self.engine, sum(isinstance(i, _Submission) for i in self._inbox))
 
     def _apply_inbox(self) -> None:
         inbox, self._inbox = self._inbox, []
@@ -141,6 +175,7 @@ class AsyncEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            self.engine.scheduler.arrivals_done = self._arrivals_done
             result = await loop.run_in_executor(self._executor, self.engine.step)
             for output in result.outputs:
                 self._deliver(output)
@@ -149,10 +184,12 @@ class AsyncEngine:
                 self._on_load(self.load())
                 continue
             # Nothing could run (a static batch filling up): sleep until the policy's timer
-            # or until something new arrives.
+            # or until something new arrives (a submission made during the step counts).
             wake = self.engine.scheduler.wake_time()
             timeout = None if wake is None else max(0.0, wake - self.engine.clock.now())
             self._wake.clear()
+            if self._inbox:
+                continue
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             except asyncio.TimeoutError:

@@ -1,7 +1,9 @@
 """Who holds which cache slot, and how many K/V tokens each holds against the cache's budget.
 
 Pure bookkeeping (no torch): the scheduler asks it yes/no questions and it never decides
-policy, like nano-vllm's block manager. The tensors themselves live in `kv_cache.py`.
+policy, like nano-vllm's block manager. The tensors themselves live in `kv_cache.py`. The
+paged cache's table (`block_manager.PagedSlotTable`) keeps the slot half of this class and
+replaces the token half with blocks.
 """
 
 from __future__ import annotations
@@ -40,26 +42,22 @@ class SlotTable:
         """The most K/V tokens one request may ever hold."""
         return min(self.max_seq_len, self.kv_budget_tokens)
 
-    def can_admit(self, num_tokens: int) -> bool:
+    def cached_prefix_tokens(self, request: Request) -> int:
+        """Leading tokens of `request` whose K/V admission would reuse: none, slots share nothing."""
+        return 0
+
+    def can_admit(self, request: Request, num_tokens: int) -> bool:
         return bool(self._free) and num_tokens <= self.free_kv_tokens
 
     def admit(self, request: Request, num_tokens: int) -> None:
-        if not self.can_admit(num_tokens):
-            raise InvariantViolation(f"admit({request.request_id}) without a free slot or {num_tokens} free tokens")
-        slot = heapq.heappop(self._free)
-        request.slot = slot
-        self._owner[slot] = request
-        self._held[slot] = 0
+        self._take_slot(request, num_tokens)
+        self._held[request.slot] = 0
         self.reserve(request, num_tokens)
 
     def reserve(self, request: Request, total_tokens: int) -> bool:
         """Grow the request's reservation to `total_tokens`; False if the budget cannot cover it.
         Idempotent, so a row planned but not run does not reserve twice."""
-        slot = request.slot
-        if slot is None or self._owner.get(slot) is not request:
-            raise InvariantViolation(f"reserve() for {request.request_id}, which holds no slot")
-        if total_tokens > self.max_seq_len:
-            raise InvariantViolation(f"{request.request_id} needs {total_tokens} tokens, slot holds {self.max_seq_len}")
+        slot = self._check_reserve(request, total_tokens)
         need = total_tokens - self._held[slot]
         if need <= 0:
             return True
@@ -70,18 +68,46 @@ class SlotTable:
         return True
 
     def release(self, request: Request) -> None:
-        slot = request.slot
-        if slot is None or self._owner.get(slot) is not request:
-            raise InvariantViolation(f"release() for {request.request_id}, which holds no slot")
-        del self._owner[slot]
-        self.used_kv_tokens -= self._held.pop(slot)
-        heapq.heappush(self._free, slot)
-        request.slot = None
+        self._check_owner(request, "release")
+        self.used_kv_tokens -= self._held.pop(request.slot)
+        self._free_slot(request)
 
     def owner(self, slot: int) -> Request | None:
         return self._owner.get(slot)
 
+    # ---- slot ownership, shared with the paged table (block_manager.PagedSlotTable) ----------
+    def _take_slot(self, request: Request, num_tokens: int) -> None:
+        if not self.can_admit(request, num_tokens):
+            raise InvariantViolation(f"admit({request.request_id}) without a free slot or room for {num_tokens} tokens")
+        slot = heapq.heappop(self._free)
+        request.slot = slot
+        self._owner[slot] = request
+
+    def _free_slot(self, request: Request) -> None:
+        del self._owner[request.slot]
+        heapq.heappush(self._free, request.slot)
+        request.slot = None
+
+    def _check_owner(self, request: Request, action: str) -> int:
+        slot = request.slot
+        if slot is None or self._owner.get(slot) is not request:
+            raise InvariantViolation(f"{action}() for {request.request_id}, which holds no slot")
+        return slot
+
+    def _check_reserve(self, request: Request, total_tokens: int) -> int:
+        slot = self._check_owner(request, "reserve")
+        if total_tokens > self.max_seq_len:
+            raise InvariantViolation(f"{request.request_id} needs {total_tokens} tokens, slot holds {self.max_seq_len}")
+        return slot
+
     def check_invariants(self) -> None:
+        self._check_slots()
+        if sum(self._held.values()) != self.used_kv_tokens or self.used_kv_tokens > self.kv_budget_tokens:
+            raise InvariantViolation(
+                f"K/V tokens held {sum(self._held.values())}, counted {self.used_kv_tokens}, budget {self.kv_budget_tokens}"
+            )
+
+    def _check_slots(self) -> None:
         free = set(self._free)
         if len(free) != len(self._free):
             raise InvariantViolation(f"a slot is free twice: {sorted(self._free)}")
@@ -92,7 +118,3 @@ class SlotTable:
         for slot, request in self._owner.items():
             if request.slot != slot:
                 raise InvariantViolation(f"slot {slot} owned by {request.request_id}, which thinks it has {request.slot}")
-        if sum(self._held.values()) != self.used_kv_tokens or self.used_kv_tokens > self.kv_budget_tokens:
-            raise InvariantViolation(
-                f"K/V tokens held {sum(self._held.values())}, counted {self.used_kv_tokens}, budget {self.kv_budget_tokens}"
-            )

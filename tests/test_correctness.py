@@ -1,17 +1,29 @@
 """Greedy outputs of the engine equal transformers' own `generate(do_sample=False)` for each
 request run alone: for every batching policy, for the default model (slow) and for local
-GPT-2 and Qwen2 directories, and with preemption forced by a tiny K/V budget."""
+GPT-2 and Qwen2 directories, and with preemption forced by a tiny K/V budget; on the slot
+cache and on the paged cache (with prefix caching, whose sharing of a system prompt's blocks
+is checked on its own too)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from replica import POLICIES, Engine, EngineConfig
+from replica import POLICIES, ConfigError, Engine, EngineConfig
 from replica.model_loader import load_hf_model
 from replica.model_runner import ModelRunner
+from replica.scheduler import SchedulerConfig
 
 SLOTS = 4
+# The K/V cache layouts; the paged one with prefix caching, so that preempted requests also
+# re-prefill from their own blocks where those are still cached.
+KV = {"slot": {}, "paged": {"kv_cache": "paged", "block_size": 8, "prefix_caching": True}}
+
+
+def make_runners(model: str) -> dict[str, ModelRunner]:
+    """One runner per cache layout (a runner owns one cache, so the model is loaded twice)."""
+    configs = {kv: SchedulerConfig(**c) for kv, c in KV.items()}
+    return {kv: ModelRunner(model, SLOTS, 256, kv_cache=c.kv_cache, block_size=c.block_size) for kv, c in configs.items()}
 
 
 def make_prompts(tokenizer) -> list[tuple[list[int], int]]:
@@ -65,46 +77,102 @@ def check_policy_outputs(hf, runner, policy: str, cases, **config) -> list:
     return done
 
 
+def check_prefix_sharing(hf, runner, cases, block_size: int = 8, max_tokens: int = 12) -> None:
+    """Four prompts = one long system prompt + a question; the last three arrive after the
+    first's prefill, so with prefix caching they take its full system-prompt blocks. Tokens
+    equal transformers' and the run without sharing, and the prefill tokens computed drop by
+    exactly the shared blocks' tokens."""
+    system = max((p for p, _ in cases), key=len)
+    prompts = [system + p for p, _ in cases[:4]]
+    runs = {}
+    for prefix_caching in (False, True):
+        engine = Engine(EngineConfig(policy="mixed", num_slots=SLOTS, max_seq_len=256, kv_cache="paged",
+                                     block_size=block_size, prefix_caching=prefix_caching), runner)
+        first = engine.requests[engine.add_request(prompts[0], {"max_tokens": max_tokens})]
+        prefill = engine.step().record.num_prefill_tokens
+        requests = [first] + [engine.requests[engine.add_request(p, {"max_tokens": max_tokens})] for p in prompts[1:]]
+        while engine.has_unfinished:
+            prefill += engine.step().record.num_prefill_tokens
+        runs[prefix_caching] = ([r.output_token_ids for r in requests], prefill, engine.scheduler.num_prefix_cached_tokens)
+    shared = 3 * (len(system) // block_size) * block_size
+    assert runs[True][2] == shared and runs[False][2] == 0
+    assert runs[True][1] == runs[False][1] - shared == sum(map(len, prompts)) - shared
+    for prompt, ours, unshared in zip(prompts, runs[True][0], runs[False][0]):
+        ref = reference(hf, prompt, max_tokens)
+        assert ours == unshared == ref, mismatch_report(hf, prompt, ours, ref)
+
+
 @pytest.fixture(scope="module", params=["gpt2", "qwen2"])
 def tiny(request, tiny_gpt2_dir, tiny_qwen2_dir):
     path = {"gpt2": tiny_gpt2_dir, "qwen2": tiny_qwen2_dir}[request.param]
     hf, tok = load_hf_model(path)
-    return hf, ModelRunner(path, SLOTS, 256), make_prompts(tok)
+    return hf, make_runners(path), make_prompts(tok)
 
 
+@pytest.mark.parametrize("kv", list(KV))
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_tiny_local_models_match_transformers_greedy(tiny, policy):
+def test_tiny_local_models_match_transformers_greedy(tiny, policy, kv):
     """GPT-2 (learned positions, LayerNorm, fused Conv1D weights) and Qwen2 (RoPE, GQA, Q/K/V
-    biases) loaded from local directories decode exactly like transformers, in every policy."""
-    hf, runner, cases = tiny
-    check_policy_outputs(hf, runner, policy, cases)
+    biases) loaded from local directories decode exactly like transformers, in every policy,
+    on either cache."""
+    hf, runners, cases = tiny
+    check_policy_outputs(hf, runners[kv], policy, cases, **KV[kv])
 
 
-def test_tiny_model_matches_under_forced_preemption(tiny):
+@pytest.mark.parametrize("kv", list(KV))
+def test_tiny_model_matches_under_forced_preemption(tiny, kv):
     """A K/V budget of 160 tokens for 4 slots forces recompute preemption; outputs are unchanged."""
-    hf, runner, cases = tiny
-    done = check_policy_outputs(hf, runner, "mixed", preemption_cases(cases), kv_budget_tokens=160)
+    hf, runners, cases = tiny
+    done = check_policy_outputs(hf, runners[kv], "mixed", preemption_cases(cases), kv_budget_tokens=160, **KV[kv])
     assert sum(c.num_preemptions for c in done) > 0
+
+
+def test_tiny_model_prefix_sharing_matches_transformers(tiny):
+    """Requests sharing a long system prompt reuse its computed blocks and still decode like
+    transformers (see check_prefix_sharing)."""
+    hf, runners, cases = tiny
+    check_prefix_sharing(hf, runners["paged"], cases)
+
+
+def test_runner_cache_must_match_engine_cache(tiny):
+    """A runner holding a slot cache refuses a paged engine and the other way round, naming both."""
+    _, runners, _ = tiny
+    with pytest.raises(ConfigError, match="slot cache; this engine wants kv_cache='paged'"):
+        Engine(EngineConfig(num_slots=SLOTS, max_seq_len=256, kv_cache="paged", block_size=8), runners["slot"])
+    with pytest.raises(ConfigError, match="paged cache; this engine wants kv_cache='slot'"):
+        Engine(EngineConfig(num_slots=SLOTS, max_seq_len=256), runners["paged"])
+    with pytest.raises(ConfigError, match="blocks of 8 tokens"):
+        Engine(EngineConfig(num_slots=SLOTS, max_seq_len=256, kv_cache="paged", block_size=16), runners["paged"])
 
 
 @pytest.fixture(scope="module")
 def smollm2():
     hf, tok = load_hf_model("smollm2-135m")
-    return hf, ModelRunner("smollm2-135m", SLOTS, 256), make_prompts(tok)
+    return hf, make_runners("smollm2-135m"), make_prompts(tok)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", list(POLICIES))
-def test_default_model_matches_transformers_greedy(smollm2, policy):
-    """SmolLM2-135M-Instruct (fp32): every policy's greedy tokens equal transformers' per request."""
-    hf, runner, cases = smollm2
-    check_policy_outputs(hf, runner, policy, cases)
+@pytest.mark.parametrize("policy,kv", [(p, "slot") for p in POLICIES] + [("chunked", "paged"), ("static", "paged")])
+def test_default_model_matches_transformers_greedy(smollm2, policy, kv):
+    """SmolLM2-135M-Instruct (fp32): every policy's greedy tokens equal transformers' per request;
+    on the paged cache for chunked (prefill in chunks) and static (held rows) only, to keep
+    the slow suite short (the tiny models cover every policy on it)."""
+    hf, runners, cases = smollm2
+    check_policy_outputs(hf, runners[kv], policy, cases, **KV[kv])
 
 
 @pytest.mark.slow
-def test_default_model_matches_under_forced_preemption(smollm2):
+@pytest.mark.parametrize("kv", list(KV))
+def test_default_model_matches_under_forced_preemption(smollm2, kv):
     """The default model with a 160-token K/V budget: preempted requests re-prefill and still
     produce transformers' tokens, none twice."""
-    hf, runner, cases = smollm2
-    done = check_policy_outputs(hf, runner, "chunked", preemption_cases(cases), kv_budget_tokens=160)
+    hf, runners, cases = smollm2
+    done = check_policy_outputs(hf, runners[kv], "chunked", preemption_cases(cases), kv_budget_tokens=160, **KV[kv])
     assert sum(c.num_preemptions for c in done) > 0
+
+
+@pytest.mark.slow
+def test_default_model_prefix_sharing_matches_transformers(smollm2):
+    """The default model: a shared system prompt's blocks are computed once and reused, tokens unchanged."""
+    hf, runners, cases = smollm2
+    check_prefix_sharing(hf, runners["paged"], cases)

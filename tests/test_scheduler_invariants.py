@@ -3,7 +3,9 @@
 Every run drives the engine step by step, calls `check_invariants()` after every step and
 checks on its own that slots are never shared, every token is streamed once and in order
 (replayed against the fake model, whose next token is a function of the sequence's
-content), and every request ends with exactly one final event.
+content), and every request ends with exactly one final event. The runs over a workload go
+through the slot cache and the paged cache (with and without prefix caching), whose
+check_invariants() also checks block reference counts, free lists and block tables.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ from replica.policies import POLICIES
 from replica.request import FinishReason, Request, RequestStatus
 
 ALL_POLICIES = sorted(POLICIES)
+# K/V cache layouts every workload-level test runs on; small blocks so short prompts span several.
+KV_MODES = {
+    "slot": {},
+    "paged": {"kv_cache": "paged", "block_size": 4},
+    "prefix": {"kv_cache": "paged", "block_size": 4, "prefix_caching": True},
+}
 VOCAB = 50
 EOS = 7
 STEP_SECONDS = 0.02  # FlatCostModel's default
@@ -159,6 +167,8 @@ def check_finished_run(run: Run, specs: list[Spec]) -> None:
     sched = run.engine.scheduler
     assert not sched.waiting and not sched.running and not sched.held
     assert sched.slots.num_free_slots == sched.config.num_slots and sched.slots.used_kv_tokens == 0
+    if sched.config.kv_cache == "paged":  # every block back on a free list (cached ones stay reusable there)
+        assert sched.slots.blocks.num_free_blocks == sched.config.num_blocks
     for s in specs:
         req, final = run.requests[s.request_id], run.finals[s.request_id]
         assert req.is_finished and req.finish_reason is final.finish_reason
@@ -197,12 +207,13 @@ def test_workload_exercises_every_finish_reason():
     assert any(s.params["ignore_eos"] and EOS in run.requests[s.request_id].output_token_ids[:-1] for s in SPECS)
 
 
+@pytest.mark.parametrize("kv", KV_MODES)
 @pytest.mark.parametrize("policy", ALL_POLICIES)
-def test_invariants_hold_every_step(policy):
-    """Under every policy, over a mixed workload with spread arrivals: invariants hold after
-    every step, no slot is shared, tokens stream once each and in order, and each request
-    gets exactly one final event whose reason matches its tokens."""
-    engine, runner, clock = make_engine(policy, **BIG, token_budget=16)
+def test_invariants_hold_every_step(policy, kv):
+    """Under every policy and cache layout, over a mixed workload with spread arrivals:
+    invariants hold after every step, no slot is shared, tokens stream once each and in order,
+    and each request gets exactly one final event whose reason matches its tokens."""
+    engine, runner, clock = make_engine(policy, **BIG, token_budget=16, **KV_MODES[kv])
     run = drive(engine, runner, clock, SPECS)
     check_finished_run(run, SPECS)
     assert run.num_preemptions == 0  # the big cache never runs out
@@ -216,35 +227,42 @@ def reference_outputs():
     return drive(engine, runner, clock, SPECS).outputs()
 
 
+@pytest.mark.parametrize("kv", KV_MODES)
 @pytest.mark.parametrize("policy", ALL_POLICIES)
-def test_outputs_do_not_depend_on_policy(policy, reference_outputs):
-    """The fake model's tokens depend only on content, so every policy yields the same
-    tokens and finish reasons as the mixed policy."""
-    engine, runner, clock = make_engine(policy, **BIG, token_budget=16)
+def test_outputs_do_not_depend_on_policy(policy, kv, reference_outputs):
+    """The fake model's tokens depend only on content, so every policy, on either cache,
+    yields the same tokens and finish reasons as the mixed policy on the slot cache."""
+    engine, runner, clock = make_engine(policy, **BIG, token_budget=16, **KV_MODES[kv])
     assert drive(engine, runner, clock, SPECS).outputs() == reference_outputs
 
 
+@pytest.mark.parametrize("kv", KV_MODES)
 @pytest.mark.parametrize("policy", ALL_POLICIES)
-def test_preemption_replays_without_duplicates(policy, reference_outputs):
+def test_preemption_replays_without_duplicates(policy, kv, reference_outputs):
     """With a K/V budget too small for the batch, requests are preempted (recompute) and later
-    re-prefilled; invariants still hold every step, no token is streamed twice, and the
-    outputs equal those of an un-preempted run."""
-    engine, runner, clock = make_engine(policy, **TINY, token_budget=16)
+    re-prefilled (with prefix caching, from their own blocks where still cached); invariants
+    still hold every step, no token is streamed twice, and the outputs equal those of an
+    un-preempted run."""
+    engine, runner, clock = make_engine(policy, **TINY, token_budget=16, **KV_MODES[kv])
     run = drive(engine, runner, clock, SPECS)
     check_finished_run(run, SPECS)
     assert run.num_preemptions > 0, "the tiny cache should force preemptions"
     assert run.num_preemptions == engine.scheduler.num_preemptions == \
         sum(r.num_preemptions for r in run.requests.values())
     assert run.outputs() == reference_outputs
+    if kv == "prefix":  # a preempted request found its own computed blocks still cached
+        assert engine.scheduler.num_prefix_cached_tokens > 0
 
 
+@pytest.mark.parametrize("kv", KV_MODES)
 @pytest.mark.parametrize("policy", ["static", "dynamic", "bucketed"])
-def test_static_preemption_with_held_rows_does_not_deadlock(policy):
+def test_static_preemption_with_held_rows_does_not_deadlock(policy, kv):
     """A static batch whose finished (held) rows use most of the K/V budget still drains when
     the last running request must be preempted: two requests share an 8-token budget; the
     short one finishes and holds its 4 tokens, the long one then cannot grow and preempts
     itself. The held row must be released so the long one can be re-admitted and finish."""
-    engine, runner, clock = make_engine(policy, num_slots=2, max_seq_len=8, kv_budget_tokens=8, eos=None)
+    engine, runner, clock = make_engine(policy, num_slots=2, max_seq_len=8, kv_budget_tokens=8, eos=None,
+                                        **KV_MODES[kv])
     specs = [Spec("short", 0.0, [1, 2, 3], {"max_tokens": 2}, 2),
              Spec("long", 0.0, [4, 5], {"max_tokens": 6}, 6)]
     run = drive(engine, runner, clock, specs, max_steps=200)
@@ -448,14 +466,72 @@ def test_static_admits_in_arrival_order():
     assert sorted(r.request_id for r in engine.scheduler.running) == ["a", "b"]
 
 
-# ---- abort --------------------------------------------------------------------------------
+# ---- prefix caching (paged cache) -----------------------------------------------------------
+
+def shared_prefix_workload(n: int = 24, seed: int = 1) -> list[Spec]:
+    """Prompts made of one of two system prompts (21 and 10 tokens) and a 1-12 token question,
+    arriving over about a second, so later requests find earlier ones' blocks cached."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(VOCAB) for _ in range(k)] for k in (21, 10)]
+    specs, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(20.0)
+        prompt = rng.choice(systems) + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))]
+        specs.append(Spec(f"p{i:02d}", round(t, 4), prompt, {"max_tokens": rng.randint(1, 20), "ignore_eos": True}))
+    return specs
+
 
 @pytest.mark.parametrize("policy", ALL_POLICIES)
-def test_abort_waiting_and_running(policy):
+def test_prefix_caching_keeps_outputs_and_saves_exactly_the_cached_prefill(policy):
+    """Requests sharing system prompts, with prefix caching: invariants hold every step (shared
+    blocks' reference counts included), tokens equal the slot cache's, and the prefill tokens
+    computed drop by exactly the tokens admission found cached."""
+    specs = shared_prefix_workload()
+    runs = {kv: drive(*make_engine(policy, **BIG, token_budget=16, **KV_MODES[kv]), specs) for kv in ("slot", "prefix")}
+    for run in runs.values():
+        check_finished_run(run, specs)
+    assert runs["prefix"].outputs() == runs["slot"].outputs()
+    cached = runs["prefix"].engine.scheduler.num_prefix_cached_tokens
+    assert cached > 0 and runs["prefix"].num_preemptions == runs["slot"].num_preemptions == 0
+    prefill = {kv: sum(r.num_prefill_tokens for r in run.records) for kv, run in runs.items()}
+    assert prefill["slot"] == sum(len(s.prompt) for s in specs)
+    assert prefill["prefix"] == prefill["slot"] - cached
+
+
+def test_shared_system_prompt_is_computed_once():
+    """Three requests arriving while the first decodes take its 5 full system-prompt blocks by
+    reference (ref count 4 each) and prefill only their own questions; the blocks are freed
+    only when the last of them ends, and stay cached for a later request after that."""
+    system = list(range(1, 41))  # 40 tokens = 5 blocks of 8
+    engine, runner, _ = make_engine("mixed", num_slots=4, max_seq_len=64, eos=None, kv_cache="paged",
+                                    block_size=8, prefix_caching=True)
+    first = engine.requests[engine.add_request(system + [41, 42], {"max_tokens": 8, "ignore_eos": True})]
+    assert step_checked(engine).record.num_prefill_tokens == 42
+    others = [engine.requests[engine.add_request(system + [43 + i] * (i + 1), {"max_tokens": 3, "ignore_eos": True})]
+              for i in range(3)]
+    record = step_checked(engine).record
+    assert record.num_prefill_tokens == 1 + 2 + 3 and record.num_decode_tokens == 1
+    shared = first.block_table[:5]
+    assert all(r.block_table[:5] == shared for r in others)
+    blocks = engine.scheduler.slots.blocks
+    assert [blocks.blocks[b].ref_count for b in shared] == [4] * 5
+    run_to_end(engine)
+    assert all(r.output_token_ids[0] == runner.next_token(r.prompt_token_ids) for r in [first, *others])
+    assert all(blocks.blocks[b].ref_count == 0 and blocks.blocks[b].hash is not None for b in shared)
+    late = engine.requests[engine.add_request(system + [49], {"max_tokens": 2, "ignore_eos": True})]
+    assert step_checked(engine).record.num_prefill_tokens == 1 and late.block_table[:5] == shared
+    assert engine.scheduler.num_prefix_cached_tokens == 4 * 40
+
+
+# ---- abort --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv", KV_MODES)
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_abort_waiting_and_running(policy, kv):
     """Aborting a waiting and a running request gives each exactly one final event with reason
     ABORT, removes it from every queue, and frees its slot (a static batch frees it when the
     batch drains); the others finish normally and nothing more is emitted for the aborted."""
-    engine, runner, clock = make_engine(policy, num_slots=2, eos=None, max_wait=0.0)
+    engine, runner, clock = make_engine(policy, num_slots=2, eos=None, max_wait=0.0, **KV_MODES[kv])
     run_r = add(engine, "run", 4, 10)
     other = add(engine, "other", 4, 3)
     step_checked(engine)
@@ -495,8 +571,8 @@ def test_abort_waiting_and_running(policy):
 
 # ---- the checks themselves can fail --------------------------------------------------------
 
-def _running_engine() -> Engine:
-    engine, _, _ = make_engine("mixed", num_slots=3, eos=None)
+def _running_engine(**kv) -> Engine:
+    engine, _, _ = make_engine("mixed", num_slots=3, eos=None, **kv)
     add(engine, "a", 3, 5)
     add(engine, "b", 3, 5)
     step_checked(engine)
@@ -529,9 +605,11 @@ def test_check_invariants_catches_request_in_two_queues():
         engine.scheduler.check_invariants()
 
 
-def test_check_invariants_catches_kv_miscount():
-    """check_invariants() raises when the K/V token count disagrees with the reservations."""
-    engine = _running_engine()
+@pytest.mark.parametrize("kv", KV_MODES)
+def test_check_invariants_catches_kv_miscount(kv):
+    """check_invariants() raises when the K/V token count disagrees with the reservations (slots)
+    or with the blocks in use (paged)."""
+    engine = _running_engine(**KV_MODES[kv])
     engine.scheduler.slots.used_kv_tokens += 1
     with pytest.raises(InvariantViolation, match="K/V"):
         engine.scheduler.check_invariants()
@@ -543,4 +621,41 @@ def test_check_invariants_catches_wrong_slot_on_request():
     a, b = engine.scheduler.running
     a.slot, b.slot = b.slot, a.slot
     with pytest.raises(InvariantViolation):
+        engine.scheduler.check_invariants()
+
+
+def _prefix_engine() -> Engine:
+    """Two running requests that share a cached 8-token block."""
+    engine, _, _ = make_engine("mixed", num_slots=3, eos=None, kv_cache="paged", block_size=4, prefix_caching=True)
+    add(engine, "a", 9, 5)
+    step_checked(engine)
+    add(engine, "b", 9, 5)
+    step_checked(engine)
+    return engine
+
+
+def test_check_invariants_catches_block_ref_count_off():
+    """check_invariants() raises when a block's reference count is not the number of tables holding it."""
+    engine = _prefix_engine()
+    a, b = engine.scheduler.running
+    assert a.block_table[:2] == b.block_table[:2]  # the shared prefix
+    engine.scheduler.slots.blocks.blocks[a.block_table[0]].ref_count -= 1
+    with pytest.raises(InvariantViolation, match="ref_count"):
+        engine.scheduler.check_invariants()
+
+
+def test_check_invariants_catches_referenced_block_on_free_list():
+    """check_invariants() raises when a block some table holds is also on a free list."""
+    engine = _prefix_engine()
+    engine.scheduler.slots.blocks._free.append(engine.scheduler.running[0].block_table[-1])
+    with pytest.raises(InvariantViolation, match="free"):
+        engine.scheduler.check_invariants()
+
+
+def test_check_invariants_catches_block_cached_for_another_prefix():
+    """check_invariants() raises when a request's table holds a cached block whose hash is not
+    that of the request's own prefix at that position."""
+    engine = _prefix_engine()
+    engine.scheduler.running[1].block_hashes[1] += 1
+    with pytest.raises(InvariantViolation, match="another prefix"):
         engine.scheduler.check_invariants()

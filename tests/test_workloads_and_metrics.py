@@ -85,7 +85,8 @@ def test_percentiles_of_nothing_are_none():
 def test_at_load_sets_the_mean_rate_of_a_bursty_workload():
     """at_load(load=0.8) offers 0.8 x capacity on average over hot and cold windows: the base
     rate is divided by the burst process's mean-rate factor (f + 1/f)/2."""
-    from workloads.standard import at_load, mean_rate_factor
+    from workloads.arrivals import mean_rate_factor
+    from workloads.standard import at_load
 
     w = at_load("bursty-mix", 4000, 0.8, capacity_tokens_per_s=400.0, seed=0, period=1.0)
     mean_output = sum(w.output_lens) / len(w.output_lens)

@@ -4,6 +4,20 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Self
+
+from pydantic import BaseModel, ConfigDict
+
+
+class SpecModel(BaseModel):
+    """Base of every part of a workload spec: frozen, because a spec is a value a run stores
+    and replays, and strict about unknown fields, so a typo is an error rather than a default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def replace(self, **changes) -> Self:
+        """A copy with `changes`, validated (pydantic's `model_copy(update=...)` is not)."""
+        return type(self).model_validate({**self.model_dump(), **changes})
 
 
 @dataclass(frozen=True)
@@ -15,11 +29,22 @@ class WorkloadRequest:
 
 
 @dataclass(frozen=True)
+class ClosedLoop:
+    """`users` concurrent users: each sends its next request `think_time` seconds after its
+    previous one finished, so arrivals are known only at run time (see `ArrivalSchedule`)."""
+
+    users: int
+    think_time: float
+
+
+@dataclass(frozen=True)
 class Workload:
     name: str
     seed: int
-    requests: list[WorkloadRequest]
+    requests: list[WorkloadRequest]  # in a closed loop every `arrival` is 0: the schedule releases them
     params: dict = field(default_factory=dict)  # the generator's arguments, for the record
+    spec: dict | None = None  # the JSON dump of the spec that built it: validate and build it to replay exactly
+    closed_loop: ClosedLoop | None = None
 
     @property
     def output_lens(self) -> list[int]:
@@ -30,7 +55,9 @@ class Workload:
         span = max(r.arrival for r in self.requests) if n else 0.0
         mean_out = sum(self.output_lens) / n if n else 0.0
         mean_in = sum(r.prompt_len for r in self.requests) / n if n else 0.0
-        return (f"{self.name} (seed {self.seed}): {n} requests over {span:.2f} s, "
+        timing = (f"{self.closed_loop.users} closed-loop users (think {self.closed_loop.think_time:g} s)"
+                  if self.closed_loop else f"over {span:.2f} s")
+        return (f"{self.name} (seed {self.seed}): {n} requests {timing}, "
                 f"mean prompt {mean_in:.1f} tokens, mean output {mean_out:.1f} tokens")
 
 

@@ -1,0 +1,16 @@
+"""slotserve's engine against transformers (static generate, continuous batching, a plain
+decode step) on this machine: the same as `slotserve bench`, as a script CI does not run.
+
+    .venv/bin/python benchmarks/engine_speed.py --json results/bench.json
+"""
+
+import argparse
+import sys
+
+from cluster.bench import add_bench_command
+
+if __name__ == "__main__":  # the rows run in spawned processes, which import this file
+    parser = argparse.ArgumentParser(prog="engine_speed.py")
+    add_bench_command(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", *sys.argv[1:]])
+    sys.exit(args.func(args))

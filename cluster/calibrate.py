@@ -1,0 +1,223 @@
+"""`slotserve calibrate`: measure the real engine's step times on this machine and fit the
+simulator's cost model to them (`replica.fake_model.FittedCostModel`).
+
+The real engine (`Engine` with the real `ModelRunner`, on the wall clock) runs a designed
+grid of synthetic requests, each cell in a fresh engine on one shared runner:
+
+- `mixed` cells, B requests with L-token prompts: one step prefills B x L tokens, the next
+  ones decode at batch B with context about L, for B = 1, 2, 4, ... up to the slots and a
+  short, a middle and a long L: decode batch size against context length;
+- `chunked` cells with a small token budget: prefill chunks of a set size at growing start
+  positions, sharing steps with decodes (the mixed steps of chunked prefill);
+- a `static` cell with spread output lengths: padding rows of finished requests.
+
+Each step's record duration (what the simulator's steps last) is paired with the features
+the scheduler gave that step (`StepFeatures`), and a non-negative least-squares fit gives
+the coefficients; every fifth step is held out to measure the fit. The first cell only warms
+the runner up (allocations, caches) and is not used. Torch runs 1 thread by default, as a
+cluster replica does at its default Ray `num_cpus=1` (and a busy neighbour then disturbs the
+measurement far less than it disturbs threads that wait on each other).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from replica.clock import Clock
+from replica.engine import Engine, EngineConfig, Runner
+from replica.errors import ConfigError
+from replica.fake_model import FEATURES, FittedCostModel, StepFeatures
+from replica.model_loader import DEFAULT_MODEL
+from replica.scheduler import SchedulerOutput
+
+DEFAULT_OUT = Path("results/cost_model.json")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """`batch` requests with `prompt_len`-token prompts and `max_tokens` outputs (spread over
+    1..max_tokens when `spread`) through a fresh engine of `policy`."""
+
+    policy: str
+    batch: int
+    prompt_len: int
+    max_tokens: int
+    token_budget: int = 256
+    spread: bool = False
+
+    @property
+    def label(self) -> str:
+        budget = f" budget {self.token_budget}" if self.policy == "chunked" else ""
+        return f"{self.policy} B={self.batch} L={self.prompt_len}{budget}"
+
+
+def grid(num_slots: int, quick: bool) -> list[Cell]:
+    """The cells, the warm-up first. --quick keeps fewer context lengths and shorter decodes."""
+    batches = sorted({1, *(b for b in (2, 4, 8, 16, 32, 64) if b <= num_slots), num_slots})
+    lengths, decode = ((16, 192), 6) if quick else ((16, 128, 384), 10)
+    cells = [Cell("mixed", 1, 8, 3)]
+    cells += [Cell("mixed", b, length, decode + 1) for length in lengths for b in batches]
+    cells += [Cell("chunked", num_slots, 64 if quick else 128, 3, token_budget=budget)
+              for budget in ((32,) if quick else (32, 96))]
+    cells.append(Cell("static", num_slots, 32, decode + 2, spread=True))
+    return cells
+
+
+class FeatureTap:
+    """The runner, passed through, noting each step's features: the engine's StepRecord says
+    how long a step took but not how much context it attended."""
+
+    def __init__(self, runner: Runner):
+        self.runner = runner
+        self.features: list[StepFeatures] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def execute(self, out: SchedulerOutput) -> list[int]:
+        self.features.append(StepFeatures.of(out))
+        return self.runner.execute(out)
+
+
+def run_cell(tap: FeatureTap, cell: Cell, max_seq_len: int, seed: int, clock: Clock | None = None
+             ) -> list[tuple[StepFeatures, float, str]]:
+    """(features, seconds, kind) of every step of one cell, run to completion."""
+    config = EngineConfig(policy=cell.policy, num_slots=cell.batch, max_seq_len=max_seq_len,
+                          token_budget=cell.token_budget)
+    engine = Engine(config, tap, clock)
+    for i in range(cell.batch):
+        prompt = [100 + (seed * 7919 + 31 * i + 7 * j) % 20000 for j in range(cell.prompt_len)]
+        n = 1 + i % cell.max_tokens if cell.spread else cell.max_tokens
+        engine.add_request(prompt, {"max_tokens": n, "ignore_eos": True})
+    engine.scheduler.close_arrivals()
+    samples = []
+    while engine.has_unfinished:
+        record = engine.step().record
+        if record is None:
+            engine.wait_idle()
+            continue
+        samples.append((tap.features[-1], record.duration, _kind(tap.features[-1])))
+    return samples
+
+
+def _kind(f: StepFeatures) -> str:
+    if f.padding_rows:
+        return "padded"
+    if f.prefill_tokens and f.decode_tokens:
+        return "mixed"
+    return "prefill" if f.prefill_tokens else f"decode B={f.decode_tokens}"
+
+
+def machine(model: str, dtype: str, device: str, num_slots: int) -> dict:
+    """What the coefficients belong to: the CPU, its cores, torch and its threads, the model."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                    if line.startswith("model name")), cpu)
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "model": model, "dtype": dtype, "device": device, "num_slots": num_slots, "hostname": platform.node(),
+            "calibrated": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def calibrate(model: str = DEFAULT_MODEL, num_slots: int = 8, dtype: str = "float32", device: str = "auto",
+              quick: bool = False, seed: int = 0, progress: bool = True
+              ) -> tuple[FittedCostModel, list[tuple[StepFeatures, float, str]]]:
+    """Measure the grid and fit; returns the model and the samples it was fitted on."""
+    from replica.model_runner import ModelRunner
+
+    cells = grid(num_slots, quick)
+    max_seq_len = max(c.prompt_len + c.max_tokens for c in cells)
+    runner = ModelRunner(model, num_slots, max_seq_len, dtype, device, seed)
+    samples = measure(runner, cells, max_seq_len, seed, progress)
+    fitted = FittedCostModel.fit([(f, t) for f, t, _ in samples],
+                                 machine=machine(model, dtype, runner.device, num_slots))
+    return fitted, samples
+
+
+def measure(runner: Runner, cells: list[Cell], max_seq_len: int, seed: int = 0, progress: bool = False,
+            clock: Clock | None = None) -> list[tuple[StepFeatures, float, str]]:
+    """Every step of every cell but the first (the warm-up), timed on `clock` (default: the
+    wall clock; tests pass a fake runner's FakeClock)."""
+    tap = FeatureTap(runner)
+    samples = []
+    bar = tqdm(cells, desc="calibrate", unit="cell", disable=not progress)
+    for n, cell in enumerate(bar):
+        bar.set_postfix_str(cell.label)
+        measured = run_cell(tap, cell, max_seq_len, seed, clock)
+        if n > 0:
+            samples += measured
+    return samples
+
+
+def format_fit(model: FittedCostModel, samples: list[tuple[StepFeatures, float, str]]) -> str:
+    """The coefficients, the fit quality, and measured against predicted per kind of step."""
+    q, m = model.quality, model.machine
+    units = {"c0": ("per step", 1e3, "ms"), "c_decode": ("per decode token", 1e3, "ms"),
+             "c_prefill": ("per prefill token", 1e3, "ms"), "c_ctx": ("per attended context token", 1e6, "us"),
+             "c_held": ("per padding row", 1e3, "ms")}
+    lines = [f"cost model for {m.get('model')} ({m.get('dtype')}, {m.get('device')}) on {m.get('cpu')}, "
+             f"{m.get('threads')} torch threads",
+             f"step_time = c0 + c_decode*decode + c_prefill*prefill + c_ctx*context + c_held*padding  "
+             f"(features: {', '.join(FEATURES)})"]
+    lines += [f"  {name:<10}{getattr(model, name) * scale:>10.4f} {unit:<3} {what}"
+              for name, (what, scale, unit) in units.items()]
+    lines.append(f"fit on {q.num_fit} steps; held out {q.num_heldout}: R^2 {q.r2:.3f}, median relative error "
+                 f"{100 * q.median_rel_error:.1f}%")
+    groups: dict[str, list[tuple[StepFeatures, float]]] = defaultdict(list)
+    for f, t, kind in samples:
+        groups[kind].append((f, t))
+    lines.append(f"  {'step kind':<14}{'steps':>6}{'measured ms':>13}{'predicted ms':>14}")
+    for kind in sorted(groups, key=lambda k: (k.split(" ")[0], int(k.split("=")[1]) if "=" in k else 0)):
+        rows = groups[kind]
+        lines.append(f"  {kind:<14}{len(rows):>6}{1e3 * statistics.median(t for _, t in rows):>13.1f}"
+                     f"{1e3 * statistics.median(model.predict(f) for f, _ in rows):>14.1f}")
+    return "\n".join(lines)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    for name in ("slots", "threads"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    torch.set_num_threads(args.threads)
+    start = time.monotonic()
+    model, samples = calibrate(args.model, args.slots, args.dtype, args.device, args.quick, args.seed)
+    model.save(args.out)
+    print(format_fit(model, samples))
+    print(f"measured {len(samples)} steps in {time.monotonic() - start:.0f} s; saved {args.out}")
+    return 0
+
+
+def add_calibrate_command(subparsers: argparse._SubParsersAction) -> None:
+    """Register `slotserve calibrate` on the CLI's subparsers."""
+    p = subparsers.add_parser(
+        "calibrate", help="fit the simulator's cost model to this machine's real step times",
+        description="Run the real engine on a grid of decode batch sizes, prefill chunk sizes and context lengths, "
+                    "fit step time = c0 + c_decode*decode + c_prefill*prefill + c_ctx*context + c_held*padding "
+                    "(non-negative least squares), print the fit and save it as JSON with this machine's "
+                    "description. About 2-3 minutes on SmolLM2-135M on 2 CPU cores; --quick under one.")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="built-in model (smollm2-135m, gpt2-small-random) or a local Hugging Face directory")
+    p.add_argument("--slots", type=int, default=8, help="largest decode batch measured (default: %(default)s)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", default="auto", help='"auto" takes cuda when present')
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads: a cluster replica runs as many as its Ray num_cpus, 1 by default "
+                        "(default: %(default)s)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON file to write (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="a smaller grid (under a minute; a rougher fit)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_calibrate)

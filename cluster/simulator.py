@@ -1,0 +1,292 @@
+"""A discrete-event simulator of the cluster: N replicas behind one router, on virtual time.
+
+Nothing here re-implements a policy. Each simulated replica is a real `replica.engine.Engine`
+(so the real scheduler of its batching policy) whose runner pays a cost model's step time on
+the replica's own `FakeClock`; routing is done by a real `router.router.Router`, fed the
+same load reports the replicas send in the cluster (`replica.serving.load_snapshot`, sent at
+step boundaries and throttled by `report_due`) and told of every completion. So a policy
+compared here is the same object that runs on the cluster.
+
+Events, always the earliest first: a replica's current step ends, the next arrival, or an
+idle replica's policy timer (`scheduler.wake_time()`). A step is computed when it starts (the
+engine runs it at once on its FakeClock), but what it did (tokens, finishes, the load report)
+reaches the router only when its end comes, so at an arrival the router sees what each
+replica reported at its last step boundary, as in the cluster. A request routed to a busy
+replica joins its queue and its next step, as the cluster's inbox does. At equal times, step
+ends come first, then arrivals, then new steps, so one replica replays exactly what
+`cluster.replay.replay` does on a FakeClock.
+
+Left out on purpose: routing takes no time (a decision costs tens of microseconds against
+steps of tens of milliseconds), and messages (reports, completions, tokens) arrive at once.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from cluster.metrics import RequestTrace
+from cluster.replay import request_trace
+from replica.clock import FakeClock
+from replica.engine import Engine, EngineConfig, StepRecord, StepResult
+from replica.errors import InvariantViolation, SlotServeError
+from replica.fake_model import CostModel, FlatCostModel, SimulationRunner
+from replica.request import Request
+from replica.serving import load_snapshot, report_due, step_row
+from router.load import LoadReport, RouteRequest
+from router.policies import DEFAULT_POLICY, ROUTING_POLICIES
+from router.router import Decision, Router
+from workloads.schedule import ArrivalSchedule
+from workloads.workload import Workload, WorkloadRequest, request_prompt
+
+
+class SimulationConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_replicas: int = Field(2, gt=0, description="replicas behind the router")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="every replica's engine (model unused)")
+    routing_policy: str = Field(DEFAULT_POLICY, description="router policy (see router.policies.ROUTING_POLICIES)")
+    seed: int = Field(0, description="seeds the prompts (as the driver does) and the router's policy")
+    vocab_size: int = Field(1000, gt=100, description="token ids of the simulated model")
+
+    @field_validator("routing_policy")
+    @classmethod
+    def _known_routing(cls, policy: str) -> str:
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(ROUTING_POLICIES)}")
+        return policy
+
+
+@dataclass
+class Arrival:
+    """When a request was planned, what it asked for, and its index in the workload."""
+
+    index: int
+    spec: WorkloadRequest
+    planned: float
+
+
+@dataclass
+class SimulationResult:
+    config: SimulationConfig
+    workload: Workload
+    cost: CostModel
+    traces: list[RequestTrace]  # in arrival order, each with its replica (None if refused)
+    steps: dict[str, list[StepRecord]]  # per replica, in step order
+    decisions: list[Decision]
+    arrivals: dict[str, Arrival]  # by request id
+    token_ids: dict[str, list[int]] = field(default_factory=dict)  # output tokens, by request id
+    errors: dict[str, str] = field(default_factory=dict)  # why a refused request was refused
+
+
+@dataclass
+class _Replica:
+    index: int
+    replica_id: str
+    clock: FakeClock
+    engine: Engine
+    busy: bool = False
+    wake_at: float | None = None  # a pending policy-timer event
+    last_report: float = -math.inf
+
+
+class Simulator:
+    """One run: `Simulator(workload, config, cost).run()`. Set `check_invariants` to check
+    every replica's scheduler after every step (slower; tests do)."""
+
+    _STEP_END, _WAKE = 0, 1  # at equal times, step ends before timers
+
+    def __init__(self, workload: Workload, config: SimulationConfig | None = None, cost: CostModel | None = None,
+                 check_invariants: bool = False):
+        self.workload = workload
+        self.config = config or SimulationConfig()
+        self.cost = cost or FlatCostModel()
+        self.check_invariants = check_invariants
+        self.clock = FakeClock()  # the router's: global virtual time
+        ids = [f"r{i}" for i in range(self.config.num_replicas)]
+        self.router = Router(ids, self.config.routing_policy, self.clock, seed=self.config.seed)
+        self.replicas = [self._make_replica(i, rid) for i, rid in enumerate(ids)]
+        self._by_id = {r.replica_id: r for r in self.replicas}
+        self.schedule = ArrivalSchedule(workload)
+        self._events: list[tuple[float, int, int, int, StepResult | None]] = []
+        self._seq = itertools.count()  # keeps equal-time events in the order they were made
+        self._dirty: set[int] = set()  # replicas that may be able to start a step now
+        self._arrivals_done = False
+        self._requests: dict[str, tuple[Request, str]] = {}
+        self._done: dict[str, RequestTrace] = {}
+        self._arrivals: dict[str, Arrival] = {}
+        self._errors: dict[str, str] = {}
+        self._steps: dict[str, list[StepRecord]] = {rid: [] for rid in ids}
+        self._decisions: list[Decision] = []
+
+    def _make_replica(self, index: int, replica_id: str) -> _Replica:
+        clock = FakeClock()
+        runner = SimulationRunner(clock, self.cost, vocab_size=self.config.vocab_size)
+        return _Replica(index, replica_id, clock, Engine(self.config.engine, runner, clock))
+
+    # ---- the event loop --------------------------------------------------------------------
+    def run(self) -> SimulationResult:
+        for replica in self.replicas:  # a replica reports once it is attached
+            self._report(replica, force=True)
+        while (now := self._next_time()) is not None:
+            _advance(self.clock, now)
+            while self._events and self._events[0][0] <= now:
+                _, kind, _, index, result = heapq.heappop(self._events)
+                if kind == self._STEP_END:
+                    self._end_step(self.replicas[index], result, now)
+                else:
+                    self.replicas[index].wake_at = None
+                    self._dirty.add(index)
+            self._admit_arrivals(now)
+            for index in sorted(self._dirty):
+                if not self.replicas[index].busy:
+                    self._start_step(index, now)
+            self._dirty.clear()
+        self._check_all_ended()
+        return SimulationResult(
+            self.config, self.workload, self.cost,
+            traces=[self._done[rid] for rid in self._arrivals],
+            steps=self._steps, decisions=self._decisions, arrivals=self._arrivals,
+            token_ids={rid: list(req.output_token_ids) for rid, (req, _) in self._requests.items()},
+            errors=self._errors)
+
+    def _next_time(self) -> float | None:
+        times = [t for t in (self.schedule.next_time(), self._events[0][0] if self._events else None) if t is not None]
+        return max(min(times), self.clock.now()) if times else None
+
+    def _admit_arrivals(self, now: float) -> None:
+        due = self.schedule.due(now)
+        for index, spec, planned in due:
+            rid = f"{self.workload.name}-{index}"
+            self._arrivals[rid] = Arrival(index, spec, planned)
+            decision = self.router.route(RouteRequest(rid, spec.prompt_len, spec.output_len, spec.session_id))
+            replica = self._by_id[decision.replica_id]
+            prompt = request_prompt(self.config.seed, index, spec, self.config.vocab_size)
+            try:
+                replica.engine.add_request(prompt, {"max_tokens": spec.output_len, "ignore_eos": True}, request_id=rid,
+                                           arrival_time=planned, oracle_output_len=spec.output_len)
+            except SlotServeError as err:  # refused at submission, as the cluster's driver records it
+                self._errors[rid] = str(err)
+                self._done[rid] = RequestTrace(rid, planned, [], now, "rejected" if isinstance(err, ValueError)
+                                               else "error", spec.prompt_len, None)
+                self.router.complete(rid)
+                self.schedule.finished(index, now)
+                continue
+            self._requests[rid] = (replica.engine.requests[rid], replica.replica_id)
+            self._dirty.add(replica.index)
+        if due:
+            self._decisions += self.router.drain_decisions()
+        self._tell_arrivals_done()
+
+    def _tell_arrivals_done(self) -> None:
+        """Whether a request may come before a running one ends, as the cluster's driver tells
+        its replicas: with none coming, a static batch need not wait to be full."""
+        done = self.schedule.next_time() is None
+        if done != self._arrivals_done:
+            self._arrivals_done = done
+            for i, replica in enumerate(self.replicas):
+                replica.engine.scheduler.arrivals_done = done
+                self._dirty.add(i)
+
+    def _start_step(self, index: int, now: float) -> None:
+        replica = self.replicas[index]
+        _advance(replica.clock, now)
+        result = replica.engine.step()
+        if result.record is None:  # nothing may run: wait for an arrival or the policy's timer
+            wake = replica.engine.scheduler.wake_time()
+            if wake is not None and wake > replica.clock.now() and wake != replica.wake_at:
+                replica.wake_at = wake
+                heapq.heappush(self._events, (wake, self._WAKE, next(self._seq), index, None))
+            return
+        if self.check_invariants:
+            replica.engine.scheduler.check_invariants()
+        replica.busy = True
+        heapq.heappush(self._events, (replica.clock.now(), self._STEP_END, next(self._seq), index, result))
+
+    def _end_step(self, replica: _Replica, result: StepResult, now: float) -> None:
+        """What the step did reaches the router now: completions first, then the load report."""
+        replica.busy = False
+        for output in result.outputs:
+            if output.finished:
+                request, replica_id = self._requests[output.request_id]
+                self._done[output.request_id] = request_trace(request, output.time, replica_id)
+                self.router.complete(output.request_id)
+                self.schedule.finished(self._arrivals[output.request_id].index, now)
+        self._steps[replica.replica_id].append(result.record)
+        self._report(replica)
+        self._dirty.add(replica.index)
+        self._tell_arrivals_done()
+
+    def _report(self, replica: _Replica, force: bool = False) -> None:
+        load = load_snapshot(replica.engine)
+        if force or report_due(load, load.time - replica.last_report):
+            replica.last_report = load.time
+            self.router.report(LoadReport(replica.replica_id, **vars(load)))
+
+    def _check_all_ended(self) -> None:
+        """Every request ends exactly once; anything else is a stuck policy or a lost request."""
+        stuck = {r.replica_id: len(r.engine.requests) for r in self.replicas if r.engine.has_unfinished}
+        if stuck:
+            raise InvariantViolation(f"simulation stopped with requests that can never run: {stuck} "
+                                     f"({self.config.engine.policy} batching)")
+        if not self.schedule.done:
+            raise InvariantViolation(f"the arrival schedule of {self.workload.name!r} is not done, yet nothing is "
+                                     "running that could release its next request")
+        missing = set(self._arrivals) - set(self._done)
+        if missing:
+            raise InvariantViolation(f"requests without a final event: {sorted(missing)[:5]}")
+
+
+def _advance(clock: FakeClock, t: float) -> None:
+    """Bring a clock to `t` as the in-process replay's sleeps would: `now + (t - now)` can land
+    an ulp short of t; a second sleep then lands on it exactly."""
+    while clock.now() < t:
+        clock.sleep(t - clock.now())
+
+
+def simulate(workload: Workload, config: SimulationConfig | None = None, cost: CostModel | None = None,
+             check_invariants: bool = False) -> SimulationResult:
+    """Run `workload` through a simulated cluster (see the module docstring)."""
+    return Simulator(workload, config, cost, check_invariants).run()
+
+
+def cost_description(cost: CostModel) -> dict[str, Any]:
+    """The cost model as the run's config records it."""
+    if isinstance(cost, BaseModel):
+        return {"kind": type(cost).__name__, **cost.model_dump()}
+    return {"kind": type(cost).__name__, **asdict(cost)}
+
+
+def record_simulation(store, result: SimulationResult, name: str | None = None, slo: dict | None = None) -> int:
+    """Write a simulation into the metrics store with the rows the cluster writes (requests
+    through the driver's `request_row`, steps through `step_row`, decisions through the
+    router actor's `decision_row`), the run marked simulated; returns its run id."""
+    from cluster.client import Result  # these import Ray: only when recording
+    from cluster.driver import request_row
+    from router.actor import decision_row
+
+    config, workload = result.config, result.workload
+    run_config = {"simulated": True, "num_replicas": config.num_replicas, "engine": config.engine.model_dump(),
+                  "vocab_size": config.vocab_size, "cost_model": cost_description(result.cost),
+                  "workload": workload.describe(), "workload_params": workload.params}
+    run_id = store.begin_run(name or f"sim-{workload.name}-{config.engine.policy}-{config.routing_policy}", run_config,
+                             config.engine.policy, config.routing_policy, config.seed, slo, simulated=True)
+    rows = []
+    for trace in result.traces:
+        arrival = result.arrivals[trace.request_id]
+        client = Result(trace.request_id, trace.replica, trace.arrival, result.token_ids.get(trace.request_id, []),
+                        trace.token_times, finish_reason=trace.finish_reason,
+                        error=result.errors.get(trace.request_id), completion=trace.finish_time)
+        rows.append({**request_row(arrival.spec, client, arrival.planned, arrival.planned),
+                     "num_preemptions": trace.num_preemptions})
+    store.add_requests(run_id, rows)
+    store.add_steps(run_id, [step_row(rid, record, config.engine.num_slots)
+                             for rid, records in result.steps.items() for record in records])
+    store.add_decisions(run_id, [decision_row(d) for d in result.decisions])
+    store.end_run(run_id, "complete")
+    return run_id

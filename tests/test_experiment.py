@@ -1,0 +1,222 @@
+"""`slotserve experiment FILE [--simulate]`: experiment files (workloads/experiment.py), the
+runner (cluster/experiment.py) and its table and report (cluster/experiment_report.py). The
+simulated runs take seconds; one test runs two cells on a real local Ray cluster of fake
+replicas; bad files must fail with file and line before the store is touched."""
+
+from __future__ import annotations
+
+import sqlite3
+import textwrap
+
+import pytest
+
+from cluster.cli import main
+from cluster.experiment import plan_experiment, run_experiment
+from cluster.plots import slot_spans
+from cluster.store import MetricsStore, open_store
+
+EXPERIMENT = """\
+name = "tiny"
+description = "two batching policies, two loads, two seeds"
+
+[workload]
+standard = "bursty-mix"
+args = { num_requests = 12 }
+
+[cluster]
+replicas = 2
+slots = 4
+max_seq_len = 256
+model = "fake"
+fake_step_seconds = 0.01
+
+[sweep]
+batching = ["static", "continuous"]
+routing = ["least_loaded"]
+load = [0.5, 1.0]
+seeds = [0, 1]
+
+[slo]
+ttft = 1.0
+tpot = 0.05
+"""
+PLOTS = ("throughput", "latency", "cdf", "occupancy", "slot_timeline")
+
+
+def write(tmp_path, text: str, name: str = "tiny.toml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def line_of(text: str, fragment: str) -> int:
+    return next(i for i, line in enumerate(text.splitlines(), start=1) if fragment in line)
+
+
+def test_simulated_experiment_records_a_run_per_cell_and_reports(tmp_path, capsys):
+    """--dry-run lists the 8 cells and writes nothing; --simulate then records one complete
+    simulated run per cell (config naming experiment, file and cell; load 1.0 offers twice the
+    rate of 0.5), prints one row per cell without its seed, and writes report.md and every
+    plot; each derived slot timeline fits its replica's slots with no lane used twice at once."""
+    path, store_path = write(tmp_path, EXPERIMENT), tmp_path / "store.db"
+    assert main(["experiment", str(path), "--simulate", "--store", str(store_path), "--dry-run"]) == 0
+    assert "8 cells (4 rows x 2 seeds)" in capsys.readouterr().out and not store_path.exists()
+
+    assert main(["experiment", str(path), "--simulate", "--store", str(store_path)]) == 0
+    out = capsys.readouterr().out
+    store = MetricsStore(store_path)
+    runs = store.runs()
+    assert len(runs) == 8 and all(r["simulated"] and r["status"] == "complete" for r in runs)
+    assert {(r["config"]["cell"]["batching"], r["config"]["cell"]["load"], r["seed"]) for r in runs} == {
+        (b, load, s) for b in ("static", "continuous") for load in (0.5, 1.0) for s in (0, 1)}
+    assert all(r["config"]["experiment"] == "tiny" and r["config"]["experiment_file"] == str(path) for r in runs)
+    rate = {(r["config"]["cell"]["load"], r["seed"]): r["config"]["workload_params"]["mean_rate_requests_per_s"]
+            for r in runs if r["batching_policy"] == "static"}
+    assert rate[(1.0, 0)] == pytest.approx(2 * rate[(0.5, 0)])
+    assert all(len(store.requests(r["run_id"])) == 12 for r in runs)
+
+    table = [line for line in out.splitlines() if line.startswith(("static", "continuous"))]
+    assert len(table) == 4 and all("±" in line for line in table)
+    assert "median over seeds ± half the min–max range (2 seeds)" in out
+
+    report_dir = tmp_path / "tiny"
+    report = (report_dir / "report.md").read_text()
+    assert f"slotserve experiment {path} --simulate --store {store_path}" in report
+    assert report.count("| static | least_loaded |") == 2 and "TTFT <= 1.0 s, TPOT <= 0.05 s" in report
+    for name in PLOTS:
+        assert (report_dir / f"{name}.png").stat().st_size > 10_000 and f"]({name}.png)" in report
+
+    for run in runs:
+        steps = [s for s in store.steps(run["run_id"]) if s["replica_id"] == "r0"]
+        spans = slot_spans([t for t in store.traces(run["run_id"]) if t.replica == "r0"], steps)
+        assert spans and max(s.lane for s in spans) < 4
+        for lane in range(4):
+            mine = sorted((s.start, s.last_token) for s in spans if s.lane == lane)
+            assert all(end <= next_start + 1e-9 for (_, end), (next_start, _) in zip(mine, mine[1:]))
+
+
+def test_token_budget_axis_multiplies_only_policies_that_read_it(tmp_path):
+    """Only `chunked` reads the token budget: a [32, 64] budget axis gives it two cells and
+    the other policies one (no identical repeated runs); --seeds replaces the file's seeds."""
+    text = EXPERIMENT.replace('load = [0.5, 1.0]', 'token_budget = [32, 64]').replace(
+        '["static", "continuous"]', '["static", "chunked"]')
+    plan = plan_experiment(write(tmp_path, text), seeds=[7])
+    assert [(c.batching, c.token_budget, c.seed) for c in plan.cells] == [
+        ("static", None, 7), ("chunked", 32, 7), ("chunked", 64, 7)]
+    assert [plan.engine_config(c).token_budget for c in plan.cells[1:]] == [32, 64]
+
+
+def test_the_help_example_is_a_valid_experiment(tmp_path):
+    """The file shown by `slotserve experiment --help` plans as it says: 2 batching policies
+    (chunked with 2 budgets) x 3 loads x 3 seeds."""
+    from cluster.experiment import _EXAMPLE
+
+    body = _EXAMPLE.split("\n", 1)[1].split("\nPaths")[0]
+    plan = plan_experiment(write(tmp_path, "\n".join(line[2:] for line in body.splitlines())))
+    assert len(plan.cells) == 27 and {c.batching for c in plan.cells} == {"continuous", "chunked"}
+
+
+@pytest.mark.parametrize("interrupt, status", [(KeyboardInterrupt, "aborted"), (RuntimeError, "failed")])
+def test_a_cell_cut_short_is_ended_not_left_running(tmp_path, monkeypatch, interrupt, status):
+    """A Ctrl-C or an error while a cell's run is being written ends that run 'aborted' or
+    'failed'; the runs before it stay complete and nothing is left 'running'."""
+    plan = plan_experiment(write(tmp_path, EXPERIMENT), simulate=True)
+    writes = {"n": 0}
+    add_steps = MetricsStore.add_steps
+
+    def flaky(self, run_id, rows):
+        writes["n"] += 1
+        if writes["n"] == 3:
+            raise interrupt("cut short")
+        add_steps(self, run_id, rows)
+
+    monkeypatch.setattr(MetricsStore, "add_steps", flaky)
+    with pytest.raises(interrupt):
+        run_experiment(plan, simulate=True, store_path=tmp_path / "s.db", progress=False)
+    assert [r["status"] for r in MetricsStore(tmp_path / "s.db").runs()] == ["complete", "complete", status]
+
+
+TRACE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+TRACES = {
+    "missing-column": ("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.6805900,374\n", "bad.csv:1: missing column"),
+    "negative-length": (TRACE_HEADER + "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:47.0,-3,5\n",
+                        "bad.csv:3: negative length"),
+    "time-goes-back": (TRACE_HEADER + "2023-11-16 18:15:47.0,374,44\n2023-11-16 18:15:46.0,10,5\n",
+                       "bad.csv:3: timestamp goes back"),
+}
+TRACE_WORKLOAD = '[workload]\nspec = { source = "trace", format = "azure", path = "bad.csv", limit = 10 }'
+BAD = {  # name: (edit of the file, the line the error must name (a fragment of it), words of the message)
+    "unknown-batching": (('"static", "continuous"', '"static", "statik"'), 'batching =',
+                         "sweep.batching: unknown batching policy 'statik'; choose one of static"),
+    "unknown-routing": (('["least_loaded"]', '["fastest"]'), 'routing =', "sweep.routing: unknown routing policy"),
+    "missing-model": (('model = "fake"\n', ''), '[cluster]', "cluster.model: required key missing"),
+    "unknown-key": (('replicas = 2', 'replicas = 2\nreplica_count = 3'), 'replica_count',
+                    "cluster.replica_count: unknown key"),
+    "negative-load": (('load = [0.5, 1.0]', 'load = [0.5, -1.0]'), 'load =', "sweep.load[1]: Input should be greater"),
+    "toml-syntax": (('replicas = 2', 'replicas = = 2'), 'replicas =', "TOML syntax: Invalid value"),
+    "load-without-rate": (('"bursty-mix"', '"saturated"'), 'load =', "has no arrival rate"),
+    "bad-factory-arg": (('num_requests = 12', 'num_requests = 12, rat = 3'), 'args =', "unexpected keyword argument"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD) + [f"trace-{t}" for t in TRACES] + ["yaml-unknown-policy"])
+def test_bad_files_name_file_and_line_and_leave_the_store_alone(tmp_path, capsys, case):
+    """Every bad file fails at load time with exit 2 and one line `FILE:LINE: key: what`
+    (a bad trace also names the trace's own file and line), and the store keeps exactly the
+    runs it had."""
+    store_path = tmp_path / "store.db"
+    store = open_store(store_path)
+    store.end_run(store.begin_run("earlier", {}, "continuous", "least_loaded", 0))
+    store.close()
+    if case.startswith("trace-"):
+        csv, words = TRACES[case.removeprefix("trace-")]
+        (tmp_path / "bad.csv").write_text(csv)
+        text = EXPERIMENT.replace('[workload]\nstandard = "bursty-mix"\nargs = { num_requests = 12 }', TRACE_WORKLOAD)
+        path, line = write(tmp_path, text), line_of(text, "spec = ")
+    elif case == "yaml-unknown-policy":
+        text = ("name: tiny\nworkload:\n  standard: saturated\n  args: {num_requests: 8}\n"
+                "cluster:\n  model: fake\n  fake_step_seconds: 0.01\nsweep:\n  batching:\n    - static\n    - statik\n")
+        path, line, words = write(tmp_path, text, "tiny.yaml"), 9, "sweep.batching: unknown batching policy 'statik'"
+    else:
+        (old, new), fragment, words = BAD[case]
+        assert old in EXPERIMENT
+        text = EXPERIMENT.replace(old, new)
+        path, line = write(tmp_path, text), line_of(text, fragment)
+
+    assert main(["experiment", str(path), "--simulate", "--store", str(store_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"slotserve: error: {path}:{line}: ") and words in err
+    with sqlite3.connect(store_path) as conn:
+        assert conn.execute("SELECT count(*) FROM runs").fetchone()[0] == 1
+
+
+@pytest.fixture
+def local_ray():
+    import ray
+
+    from cluster.deploy import stop_cluster
+
+    ray.init(address="local", num_cpus=4, namespace="slotserve", include_dashboard=False, log_to_driver=False)
+    yield
+    if ray.is_initialized():
+        stop_cluster()
+        ray.shutdown()
+
+
+def test_real_cluster_of_fake_replicas_records_real_runs(tmp_path, capsys, local_ray):
+    """The same kind of file without --simulate: two cells (two batching policies, so the
+    replicas are restarted between them) of 20 requests on a local Ray cluster of fake
+    replicas, recorded as real, complete runs with every request and both replicas' steps."""
+    text = (EXPERIMENT.replace("num_requests = 12", "num_requests = 20").replace("load = [0.5, 1.0]", "load = [0.8]")
+            .replace("seeds = [0, 1]", "seeds = [3]").replace('["static", "continuous"]', '["mixed", "continuous"]'))
+    path, store_path = write(tmp_path, text), tmp_path / "store.db"
+    assert main(["experiment", str(path), "--store", str(store_path), "--out", str(tmp_path / "out")]) == 0
+    runs = MetricsStore(store_path).runs()
+    assert [(r["batching_policy"], r["simulated"], r["status"], r["seed"]) for r in runs] == [
+        ("mixed", False, "complete", 3), ("continuous", False, "complete", 3)]
+    store = MetricsStore(store_path)
+    for run in runs:
+        assert len(store.requests(run["run_id"])) == 20
+        assert {s["replica_id"] for s in store.steps(run["run_id"])} == {"replica-0", "replica-1"}
+        assert run["config"]["capacity_tokens_per_s"] > 0
+    assert (tmp_path / "out" / "report.md").exists() and "mixed" in capsys.readouterr().out

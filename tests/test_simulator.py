@@ -1,0 +1,286 @@
+"""The discrete-event simulator (cluster/simulator.py), the cost models it runs on
+(replica/fake_model.py) and the calibration pipeline (cluster/calibrate.py). Everything runs on
+virtual time except the calibration test, which uses a fake runner with millisecond steps."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+from dataclasses import astuple
+
+import pytest
+
+from cluster.calibrate import Cell, add_calibrate_command, grid, measure
+from cluster.metrics import RequestTrace
+from cluster.replay import replay
+from cluster.report import analyze, format_report
+from cluster.simulator import SimulationConfig, Simulator, record_simulation, simulate
+from cluster.store import open_store
+from replica import POLICIES, Engine, EngineConfig, FakeClock
+from replica.errors import ConfigError, InvariantViolation
+from replica.fake_model import FittedCostModel, FlatCostModel, ScriptedFakeRunner, StepFeatures
+from replica.request import Request, SamplingParams
+from replica.scheduler import ScheduledChunk, SchedulerOutput
+from router.router import Router
+from workloads.standard import bursty_mix, long_prompts, saturated
+from workloads.workload import ClosedLoop, Workload, WorkloadRequest
+
+
+def engine_config(policy: str, **over) -> EngineConfig:
+    # A K/V budget below 4 full slots, so long prompts force preemptions.
+    return EngineConfig(**{"policy": policy, "num_slots": 4, "max_seq_len": 640, "token_budget": 64,
+                           "kv_budget_tokens": 1200, **over})
+
+
+def bursty(n: int = 64, rate: float = 12.0, seed: int = 1) -> Workload:
+    return bursty_mix(n, rate=rate, burst_factor=4.0, period=1.0, seed=seed)
+
+
+def key(trace: RequestTrace) -> tuple:
+    """A trace without its replica (replay knows of none)."""
+    return (trace.request_id, trace.arrival, trace.token_times, trace.finish_time, trace.finish_reason,
+            trace.prompt_len, trace.num_preemptions)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("workload", [bursty(), saturated(32), long_prompts(48, rate=20.0, seed=2)],
+                         ids=["bursty", "saturated", "long-prompts"])
+def test_one_replica_is_exactly_the_fake_clock_replay(policy, workload):
+    """With one replica the simulator is the in-process replay on a FakeClock: the same token
+    times, finishes and preemptions, and the same step records, for every batching policy
+    (long prompts with a tight K/V budget preempt)."""
+    config, cost = engine_config(policy), FlatCostModel(0.03)
+    clock = FakeClock()
+    expected = replay(Engine(config, ScriptedFakeRunner(clock, cost), clock), workload, seed=3)
+    result = simulate(workload, SimulationConfig(num_replicas=1, engine=config, seed=3), cost, check_invariants=True)
+    assert [key(t) for t in result.traces] == [key(t) for t in expected.traces]
+    assert result.steps["r0"] == expected.steps
+    assert {t.replica for t in result.traces} == {"r0"}
+
+
+def closed_loop(n: int = 30, users: int = 5, think: float = 0.1) -> Workload:
+    w = saturated(n, seed=2)
+    return Workload("closed", 2, w.requests, closed_loop=ClosedLoop(users, think))
+
+
+def test_closed_loop_follows_the_schedule():
+    """A closed loop's next request comes `think_time` after its user's previous one ended,
+    in the simulator as in the replay; with 3 replicas too, never more than `users` at once."""
+    config, cost = engine_config("chunked"), FlatCostModel(0.03)
+    clock = FakeClock()
+    expected = replay(Engine(config, ScriptedFakeRunner(clock, cost), clock), closed_loop(), seed=1)
+    result = simulate(closed_loop(), SimulationConfig(num_replicas=1, engine=config, seed=1), cost)
+    assert [key(t) for t in result.traces] == [key(t) for t in expected.traces]
+    result = simulate(closed_loop(), SimulationConfig(num_replicas=3, engine=config), cost)
+    traces = sorted(result.traces, key=lambda t: result.arrivals[t.request_id].index)
+    for previous, following in zip(traces, traces[5:]):  # request i + users is user i's next one
+        assert following.arrival == pytest.approx(previous.finish_time + 0.1)
+    events = sorted([(t.arrival, 1) for t in traces] + [(t.finish_time, -1) for t in traces])
+    assert max(itertools.accumulate(n for _, n in events)) <= 5
+
+
+def test_routing_is_the_real_router_and_policies_decide_differently():
+    """The simulator routes with router.router.Router itself; on a bursty workload over 4
+    replicas, round robin and least loaded pick different replicas, least loaded's scores are
+    the load the replicas reported (so its signals have an age) and round robin's are not."""
+    workload = bursty(80, rate=30.0)
+    runs = {}
+    for policy in ("round_robin", "least_loaded"):
+        sim = Simulator(workload, SimulationConfig(num_replicas=4, routing_policy=policy,
+                                                   engine=engine_config("continuous")), FlatCostModel(0.05))
+        assert type(sim.router) is Router
+        runs[policy] = sim.run()
+    rr, ll = runs["round_robin"], runs["least_loaded"]
+    assert [d.replica_id for d in rr.decisions] == [f"r{i % 4}" for i in range(80)]
+    assert [d.replica_id for d in ll.decisions] != [d.replica_id for d in rr.decisions]
+    assert all(d.signal_age is None for d in rr.decisions)
+    assert all(d.signal_age is not None and d.signal_age >= 0 for d in ll.decisions)
+    # Least loaded sends a request where the score is lowest, and the score counts reported load.
+    assert all(d.scores[d.replica_id] == min(d.scores.values()) for d in ll.decisions)
+    assert any(len(set(d.scores.values())) > 1 for d in ll.decisions)
+    assert [d.request_id for d in ll.decisions] == [t.request_id for t in ll.traces]
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_request_ends_exactly_once(policy):
+    """Three replicas, every batching policy, invariants checked after every step: each request
+    has one trace with all its tokens, on the replica the router picked, and the router has
+    heard every completion (nothing left in flight)."""
+    workload = long_prompts(60, rate=25.0, seed=4)
+    sim = Simulator(workload, SimulationConfig(num_replicas=3, engine=engine_config(policy), seed=4),
+                    FlatCostModel(0.02), check_invariants=True)
+    result = sim.run()
+    ids = [t.request_id for t in result.traces]
+    assert len(ids) == len(set(ids)) == len(workload.requests)
+    for trace, spec in zip(result.traces, workload.requests):
+        assert trace.finish_reason == "length" and trace.num_output_tokens == spec.output_len
+    chosen = {d.request_id: d.replica_id for d in result.decisions}
+    assert all(t.replica == chosen[t.request_id] for t in result.traces)
+    assert all(v.in_flight == 0 for v in sim.router.load.views(sim.clock.now()))
+    assert sum(len(s) for s in result.steps.values()) > 0
+
+
+def test_a_refused_request_ends_rejected_and_the_rest_are_served():
+    """A request longer than a replica can hold is refused at submission, as the cluster
+    driver records it: 'rejected', no replica, its completion told to the router."""
+    workload = Workload("w", 0, [WorkloadRequest(0.0, 16, 8), WorkloadRequest(0.1, 600, 100),
+                                 WorkloadRequest(0.2, 16, 8)])
+    sim = Simulator(workload, SimulationConfig(num_replicas=2, engine=engine_config("mixed")))
+    result = sim.run()
+    assert [t.finish_reason for t in result.traces] == ["length", "rejected", "length"]
+    assert result.traces[1].replica is None and "max_seq_len" in result.errors["w-1"]
+    assert all(v.in_flight == 0 for v in sim.router.load.views(sim.clock.now()))
+
+
+def test_a_policy_that_can_never_run_is_an_error():
+    """Requests that can never be scheduled stop the simulation with an error naming the
+    replica, never a silent loss: a static batch closed to arrivals that never close."""
+    workload = Workload("w", 0, [WorkloadRequest(0.0, 8, 4)])
+    sim = Simulator(workload, SimulationConfig(num_replicas=1, engine=engine_config("static")))
+    sim._arrivals_done = True  # pretend the replicas were already told, so they never are
+    with pytest.raises(InvariantViolation, match="r0"):
+        sim.run()
+
+
+def test_same_seed_same_simulation():
+    """Deterministic: the same seed gives the same traces and decisions, even with a random
+    routing policy; another seed changes the random policy's choices."""
+    def run(seed: int):
+        config = SimulationConfig(num_replicas=4, routing_policy="power_of_two", seed=seed,
+                                  engine=engine_config("chunked"))
+        return simulate(bursty(60, rate=20.0), config, FlatCostModel(0.03))
+
+    a, b, c = run(5), run(5), run(6)
+    assert [key(t) + (t.replica,) for t in a.traces] == [key(t) + (t.replica,) for t in b.traces]
+    assert a.decisions == b.decisions and a.steps == b.steps
+    assert [d.replica_id for d in a.decisions] != [d.replica_id for d in c.decisions]
+
+
+def test_steps_cost_what_the_cost_model_says():
+    """Each simulated step lasts the fitted model's prediction for that step's work."""
+    cost = FittedCostModel(c0=0.01, c_decode=0.002, c_prefill=0.0005, c_ctx=0.0, c_held=0.003)
+    result = simulate(saturated(16), SimulationConfig(num_replicas=2, engine=engine_config("static")), cost)
+    records = [r for steps in result.steps.values() for r in steps]
+    assert any(r.computed_rows > r.useful_rows for r in records)  # static padding rows are priced
+    for r in records:
+        expected = 0.01 + 0.002 * r.num_decode_tokens + 0.0005 * r.num_prefill_tokens \
+            + 0.003 * (r.computed_rows - r.useful_rows)
+        assert r.duration == pytest.approx(expected)
+
+
+def test_recorded_simulation_reads_like_a_cluster_run(tmp_path):
+    """record_simulation writes the same row shapes the cluster writes; the run is marked
+    simulated and the report's analysis reads it per replica."""
+    workload = bursty(40, rate=15.0)
+    config = SimulationConfig(num_replicas=3, routing_policy="least_loaded", engine=engine_config("chunked"))
+    result = simulate(workload, config, FlatCostModel(0.03))
+    store = open_store(tmp_path / "slotserve.db")
+    run_id = record_simulation(store, result, slo={"ttft": 2.0})
+    run = store.run(run_id)
+    assert run["simulated"] and run["complete"] and run["config"]["simulated"] is True
+    assert run["config"]["cost_model"] == {"kind": "FlatCostModel", "step_seconds": 0.03}
+    assert (run["batching_policy"], run["routing_policy"]) == ("chunked", "least_loaded")
+    assert [key(t) for t in store.traces(run_id)] == sorted(key(t) for t in result.traces)
+    rows = {r["request_id"]: r for r in store.requests(run_id)}
+    assert rows["bursty-mix-3"]["planned_arrival"] == workload.requests[3].arrival
+    assert rows["bursty-mix-3"]["submit_lateness"] == 0 and rows["bursty-mix-3"]["max_tokens"] == \
+        workload.requests[3].output_len
+    assert len(store.steps(run_id)) == sum(len(s) for s in result.steps.values())
+    assert len(store.decisions(run_id)) == 40
+    analysis = analyze(store, run_id)
+    assert analysis["simulated"] and analysis["cluster"]["num_requests"] == 40
+    assert set(analysis["replicas"]) == {"r0", "r1", "r2"}
+    assert sum(r["num_steps"] for r in analysis["replicas"].values()) == analysis["cluster"]["num_steps"]
+    assert ", simulated" in format_report([analysis])
+
+
+# ---- cost models ----------------------------------------------------------------------------
+
+def chunk(prompt_len: int, outputs: int, start: int, num: int, decode: bool) -> ScheduledChunk:
+    request = Request("x", [1] * prompt_len, SamplingParams(), 0.0, output_token_ids=[2] * outputs)
+    return ScheduledChunk(request, start, num, decode)
+
+
+def test_step_features_count_attended_keys():
+    """A decode at position p sees p + 1 keys; a chunk of n from s sees n*s + n(n+1)/2; a held
+    row sees its computed tokens."""
+    held = Request("h", [1] * 10, SamplingParams(), 0.0, num_computed_tokens=12)
+    out = SchedulerOutput([chunk(20, 3, 22, 1, True), chunk(40, 0, 8, 4, False)], held_rows=[held])
+    assert StepFeatures.of(out) == StepFeatures(1, 4, 23 + (4 * 8 + 10) + 12, 1)
+
+
+def synthetic_samples(true: tuple[float, ...], n: int = 300, noise: float = 0.01, seed: int = 0):
+    rng = random.Random(seed)
+    samples = []
+    for _ in range(n):
+        f = StepFeatures(rng.randint(0, 16), rng.choice([0, 0, 16, 64, 256]), rng.randint(0, 60_000), rng.randint(0, 4))
+        t = sum(c * x for c, x in zip(true, (1, *astuple(f))))
+        samples.append((f, t * (1 + rng.gauss(0, noise))))
+    return samples
+
+
+def test_fit_recovers_known_coefficients():
+    """Least squares on noisy synthetic steps gives back the coefficients they were made
+    from, and says how well it fits on the steps it did not see."""
+    true = (0.05, 0.004, 0.0025, 2e-7, 0.001)
+    model = FittedCostModel.fit(synthetic_samples(true, noise=0.002), machine={"cpu": "test"})
+    assert model.coefficients == pytest.approx(true, rel=0.05)
+    assert model.quality.r2 > 0.99 and model.quality.median_rel_error < 0.02
+    assert model.quality.num_fit + model.quality.num_heldout == 300
+
+
+def test_fit_keeps_coefficients_non_negative():
+    """A feature whose samples say "more work, less time" gets 0, not a negative price (plain
+    least squares would give -0.001 here); the others are still fitted."""
+    model = FittedCostModel.fit(synthetic_samples((0.05, 0.004, 0.0025, 0.0, -0.001), noise=0.002, seed=1))
+    assert model.c_held == 0.0 and min(model.coefficients) >= 0
+    assert model.c_decode == pytest.approx(0.004, rel=0.1) and model.c_prefill == pytest.approx(0.0025, rel=0.1)
+    with pytest.raises(ConfigError, match="samples"):
+        FittedCostModel.fit(synthetic_samples((0.05, 0.0, 0.0, 0.0, 0.0), n=5))
+
+
+def test_cost_model_save_load_round_trip(tmp_path):
+    """JSON with the machine and the fit quality; a bad file is an error naming it."""
+    model = FittedCostModel.fit(synthetic_samples((0.05, 0.004, 0.0025, 2e-7, 0.001)),
+                                machine={"cpu": "EPYC", "cores": 2, "torch": "2.13", "threads": 2,
+                                         "model": "smollm2-135m", "dtype": "float32"})
+    path = tmp_path / "deep" / "cost.json"
+    model.save(path)
+    assert FittedCostModel.load(path) == model
+    data = json.loads(path.read_text())
+    assert data["machine"]["model"] == "smollm2-135m" and 0.99 < data["quality"]["r2"] <= 1
+    path.write_text(json.dumps({**data, "c_decode": -1.0}))
+    with pytest.raises(ConfigError, match="cost.json"):
+        FittedCostModel.load(path)
+    with pytest.raises(ConfigError, match="calibrate"):
+        FittedCostModel.load(tmp_path / "missing.json")
+
+
+def test_calibration_pipeline_recovers_a_known_runner():
+    """measure() drives the engine through the grid and pairs each step's record with the
+    features of the step that ran: with a runner whose steps cost a known model, the fit gives
+    that model back (a record paired with another step's features would not fit)."""
+    true = FittedCostModel(c0=0.09, c_decode=0.004, c_prefill=0.0028, c_ctx=3e-7, c_held=0.002)
+    cells = grid(4, quick=True)
+    assert cells[0].batch == 1 and {c.policy for c in cells} == {"mixed", "chunked", "static"}
+    assert {c.batch for c in cells if c.policy == "mixed"} == {1, 2, 4}
+    clock = FakeClock()
+    samples = measure(ScriptedFakeRunner(clock, true, vocab_size=30_000), cells,
+                      max(c.prompt_len + c.max_tokens for c in cells), clock=clock)
+    assert {kind.split(" ")[0] for _, _, kind in samples} == {"decode", "prefill", "mixed", "padded"}
+    fitted = FittedCostModel.fit([(f, t) for f, t, _ in samples])
+    assert fitted.coefficients == pytest.approx(true.coefficients, rel=1e-3)
+    assert fitted.quality.r2 == pytest.approx(1.0)
+
+
+def test_calibrate_command_options():
+    parser = argparse.ArgumentParser()
+    add_calibrate_command(parser.add_subparsers())
+    args = parser.parse_args(["calibrate", "--quick", "--slots", "4"])
+    assert (args.quick, args.slots, args.threads, str(args.out), args.model) == (
+        True, 4, 1, "results/cost_model.json", "smollm2-135m")
+    with pytest.raises(ConfigError, match="--threads"):
+        args.func(parser.parse_args(["calibrate", "--threads", "0"]))
+    assert Cell("chunked", 4, 64, 3, token_budget=32).label == "chunked B=4 L=64 budget 32"

@@ -1,0 +1,349 @@
+"""Experiment files: one workload, one cluster shape, the axes to sweep, the SLO and the plots,
+read from TOML or YAML and checked in full before anything runs, so a typo costs a second, not
+a half-finished sweep.
+
+Every error names the file and line: TOML and YAML syntax errors carry their line; a value
+that fails validation (an unknown key, a negative load, an unknown policy) is traced back to
+the line of its key with a small key -> line scan of the text, since pydantic knows only the
+key's path. Bad traces surface their TraceError (trace file and line) here too, because the
+workload of every seed is built at load time.
+
+Policy names are checked against registries the caller passes (`batching`, `routing`):
+`workloads` imports neither `replica` nor `router` (DESIGN.md), so `cluster.experiment`
+passes `replica.policies.POLICIES` and `router.policies.ROUTING_POLICIES`.
+
+Relative paths (a trace, a cost model) are relative to the experiment file's folder, so a
+file means the same thing from any working directory."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Collection, Literal
+
+import yaml
+from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, PrivateAttr, ValidationError,
+                      ValidationInfo, field_validator, model_validator)
+
+from workloads.spec import TraceSpec, WorkloadSpec, parse_spec
+from workloads.standard import STANDARD_SPECS, standard_spec
+from workloads.traces import TraceError
+
+PLOTS = ("throughput", "latency", "cdf", "occupancy", "slot_timeline")
+Loc = tuple[str | int, ...]
+
+
+class ExperimentError(ValueError):
+    """A bad experiment file; the message starts with `file:line:` and the key's path."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WorkloadSection(_Section):
+    """Either a standard workload by name (`standard`, its factory's `args`, then spec fields
+    replaced by `override`), or a full spec (`spec`: synthetic, or `source = "trace"`). The
+    seed comes from `sweep.seeds`, never from here."""
+
+    standard: str | None = None
+    args: dict[str, Any] = Field(default_factory=dict, description="the standard factory's keyword arguments")
+    override: dict[str, Any] = Field(default_factory=dict, description="spec fields replaced after the factory")
+    spec: dict[str, Any] | None = None
+
+    @field_validator("standard")
+    @classmethod
+    def _known_standard(cls, name: str | None) -> str | None:
+        if name is not None and name not in STANDARD_SPECS:
+            raise ValueError(f"unknown standard workload {name!r}; choose one of {', '.join(STANDARD_SPECS)}")
+        return name
+
+    @model_validator(mode="after")
+    def _one_source(self) -> WorkloadSection:
+        if (self.standard is None) == (self.spec is None):
+            raise ValueError("give exactly one of `standard` (a named workload) and `spec` (a full spec)")
+        if self.spec is not None and (self.args or self.override):
+            raise ValueError("`args` and `override` go with `standard`; a full `spec` states every field itself")
+        return self
+
+
+class ClusterSection(_Section):
+    """The cluster every cell runs on. `model = "fake"` serves the flat-cost fake model (every
+    step `fake_step_seconds`); `cost_model` (a `slotserve calibrate` JSON) is what `--simulate`
+    pays per step, else the flat cost of the fake model. `engine` takes any other EngineConfig
+    field (max_wait, kv_budget_tokens, kv_cache, block_size, prefix_caching)."""
+
+    replicas: PositiveInt = 2
+    slots: PositiveInt = Field(8, description="slots per replica, unless sweep.slots is given")
+    max_seq_len: int = Field(512, gt=1, description="K/V tokens one slot holds")
+    token_budget: PositiveInt = Field(256, description="`chunked` tokens per step, unless sweep.token_budget is given")
+    model: str = Field(min_length=1, description='"fake", a built-in model name or a local Hugging Face directory')
+    fake_step_seconds: PositiveFloat | None = None
+    cost_model: str | None = Field(None, min_length=1, description="cost model JSON for --simulate")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: str = "auto"
+    num_cpus: PositiveFloat = Field(1.0, description="Ray CPUs per replica (= its torch threads)")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per replica (1 puts the model on cuda)")
+    engine: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _fake_step_with_fake_model(self) -> ClusterSection:
+        if (self.model == "fake") != (self.fake_step_seconds is not None):
+            raise ValueError('model "fake" needs fake_step_seconds, and only it takes one')
+        return self
+
+
+def _unique(values: list) -> list:
+    if len(set(values)) != len(values):
+        raise ValueError(f"repeated value in {values}")
+    return values
+
+
+def _known(names: list[str], info: ValidationInfo, kind: str) -> list[str]:
+    known = (info.context or {})[kind]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown {kind} policy {unknown[0]!r}; choose one of {', '.join(known)}")
+    return _unique(names)
+
+
+class SweepSection(_Section):
+    """The axes; cells are their product. `load` is a multiple of the cluster's measured
+    capacity (leave it out for a workload with no rate: all at once, closed loop)."""
+
+    batching: list[str] = Field(["continuous"], min_length=1)
+    routing: list[str] = Field(["least_loaded"], min_length=1)
+    load: list[PositiveFloat] | None = Field(None, min_length=1)
+    token_budget: list[PositiveInt] | None = Field(None, min_length=1)
+    slots: list[PositiveInt] | None = Field(None, min_length=1)
+    seeds: list[int] = Field([0], min_length=1)
+
+    @field_validator("batching")
+    @classmethod
+    def _known_batching(cls, names: list[str], info: ValidationInfo) -> list[str]:
+        return _known(names, info, "batching")
+
+    @field_validator("routing")
+    @classmethod
+    def _known_routing(cls, names: list[str], info: ValidationInfo) -> list[str]:
+        return _known(names, info, "routing")
+
+    @field_validator("load", "token_budget", "slots", "seeds")
+    @classmethod
+    def _no_repeats(cls, values: list | None) -> list | None:
+        return values if values is None else _unique(values)
+
+
+class SLOSection(_Section):
+    ttft: PositiveFloat = 2.0
+    tpot: PositiveFloat = 0.25
+    e2e: PositiveFloat | None = None
+
+
+class Experiment(_Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="also the report's folder name")
+    description: str = ""
+    workload: WorkloadSection
+    cluster: ClusterSection
+    # Not SweepSection(): its policy checks need the registries, which only load_experiment has.
+    sweep: SweepSection = SweepSection.model_construct()
+    slo: SLOSection = SLOSection()
+    plots: list[Literal[PLOTS]] = Field(list(PLOTS), description="which figures the report has")
+
+    @field_validator("plots")
+    @classmethod
+    def _no_repeated_plots(cls, plots: list[str]) -> list[str]:
+        return _unique(plots)
+
+    _path: Path = PrivateAttr()
+    _lines: dict[Loc, int] = PrivateAttr()
+    _spec: WorkloadSpec | TraceSpec = PrivateAttr()
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    def resolve(self, relative: str) -> Path:
+        """A path from the file, relative to the file's folder."""
+        return self._path.parent / Path(relative).expanduser()
+
+    def error(self, loc: Loc, message: str) -> ExperimentError:
+        """An error at the line of the key `loc` (or of its nearest enclosing key)."""
+        return ExperimentError(f"{self._path}:{_line_of(self._lines, loc)}: {_dotted(loc)}: {message}")
+
+    def invalid(self, err: ValidationError, at: Loc = ()) -> ExperimentError:
+        """A validation error of something built from the key `at` (its paths are below it)."""
+        return _first_error(self._path, self._lines, err, at)
+
+    def workload_spec(self, seed: int) -> WorkloadSpec | TraceSpec:
+        """The workload of one seed (a trace is fixed: the seed then only seeds the run's prompts)."""
+        return self._spec.replace(seed=seed) if isinstance(self._spec, WorkloadSpec) else self._spec
+
+
+def load_experiment(path: str | Path, *, batching: Collection[str], routing: Collection[str],
+                    seeds: list[int] | None = None) -> Experiment:
+    """Read, validate and build an experiment file (`.toml`, `.yaml` or `.yml`): every key, the
+    policy names (against `batching` and `routing`), and the workload of every seed. `seeds`
+    replaces the file's sweep.seeds (a command-line override)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ExperimentError(f"{path}: cannot read the experiment file: {err.strerror}") from None
+    data, lines = _parse(path, text)
+    if seeds is not None and isinstance(data.get("sweep", {}), dict):
+        data["sweep"] = {**data.get("sweep", {}), "seeds": seeds}
+    try:
+        experiment = Experiment.model_validate(data, context={"batching": list(batching), "routing": list(routing)})
+    except ValidationError as err:
+        raise _first_error(path, lines, err, ()) from None
+    experiment._path, experiment._lines = path, lines
+    experiment._spec = _base_spec(experiment)
+    _check_workloads(experiment)
+    return experiment
+
+
+# --- the workload -------------------------------------------------------------------------
+
+def _base_spec(experiment: Experiment) -> WorkloadSpec | TraceSpec:
+    section = experiment.workload
+    if section.spec is not None:
+        if "seed" in section.spec:
+            raise experiment.error(("workload", "spec", "seed"), "seeds come from sweep.seeds")
+        data = dict(section.spec)
+        if data.get("source") == "trace" and data.get("path") is not None:
+            data["path"] = str(experiment.resolve(data["path"]))
+        return _validated(experiment, ("workload", "spec"), lambda: parse_spec(data))
+    for key in ("args", "override"):
+        if "seed" in getattr(section, key):
+            raise experiment.error(("workload", key, "seed"), "seeds come from sweep.seeds")
+    try:
+        spec = standard_spec(section.standard, **section.args)
+    except ValidationError as err:  # a value the spec refuses, under the argument's name
+        raise experiment.invalid(err, ("workload", "args")) from None
+    except TypeError as err:  # an argument the factory does not take
+        raise experiment.error(("workload", "args"), f"{section.standard}: {err}") from None
+    except ValueError as err:  # the factory's own check (azure-conv's fixed seed)
+        raise experiment.error(("workload", "args"), str(err)) from None
+    return _validated(experiment, ("workload", "override"), lambda: spec.replace(**section.override))
+
+
+def _validated(experiment: Experiment, at: Loc, make):
+    """`make()`, its validation errors placed under the key `at`."""
+    try:
+        return make()
+    except ValidationError as err:
+        raise experiment.invalid(err, at) from None
+
+
+def _check_workloads(experiment: Experiment) -> None:
+    """Build the workload of every seed (and at a load, when the sweep has one), so a bad
+    trace or a spec that cannot run at a load fails now, before any run."""
+    loads = experiment.sweep.load
+    specs = {s.model_dump_json(): s for s in map(experiment.workload_spec, experiment.sweep.seeds)}  # a trace: one
+    for spec in specs.values():
+        if loads and not spec.has_rate:
+            raise experiment.error(("sweep", "load"), f"workload {spec.name!r} has no arrival rate (all at once or "
+                                   "closed loop), so it cannot run at a load: remove sweep.load")
+        try:
+            (spec.at_load(loads[0], 1.0) if loads else spec).build()
+        except TraceError as err:
+            raise experiment.error(("workload", "spec", "path"), str(err)) from None
+        except ValueError as err:
+            raise experiment.error(("sweep", "load") if loads else ("workload",), str(err)) from None
+
+
+# --- parsing, and where each key is -------------------------------------------------------
+
+_TOML_AT = re.compile(r"\s*\(at line (\d+), column \d+\)$")
+_TOML_HEADER = re.compile(r"""^\s*\[\[?\s*([A-Za-z0-9_."' -]+?)\s*\]\]?\s*(#.*)?$""")
+_TOML_PART = r"""(?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*')"""  # a bare or quoted key
+_TOML_KEY = re.compile(rf"^\s*({_TOML_PART}(?:\s*\.\s*{_TOML_PART})*)\s*=")
+
+
+def _parse(path: Path, text: str) -> tuple[dict, dict[Loc, int]]:
+    """The file's data and the line of each key path."""
+    if path.suffix == ".toml":
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
+            match = _TOML_AT.search(str(err))
+            line = match.group(1) if match else len(text.splitlines()) or 1  # else "at end of document"
+            message = _TOML_AT.sub("", str(err)).removesuffix(" (at end of document)")
+            raise ExperimentError(f"{path}:{line}: TOML syntax: {message}") from None
+        return data, _toml_lines(text)
+    if path.suffix in (".yaml", ".yml"):
+        try:
+            data = yaml.safe_load(text)
+            node = yaml.compose(text, Loader=yaml.SafeLoader)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            line = mark.line + 1 if mark is not None else 1
+            raise ExperimentError(f"{path}:{line}: YAML syntax: {getattr(err, 'problem', None) or err}") from None
+        if not isinstance(data, dict):
+            raise ExperimentError(f"{path}:1: an experiment file is a mapping of keys (name, workload, cluster, ...)")
+        lines: dict[Loc, int] = {}
+        _yaml_lines(node, (), lines)
+        return data, lines
+    raise ExperimentError(f"{path}: an experiment file ends in .toml, .yaml or .yml")
+
+
+def _toml_key(text: str) -> tuple[str, ...]:
+    """`a.b."c.d"` -> ("a", "b", "c.d")."""
+    return tuple(part.strip("\"'") for part in re.findall(r'"[^"]*"|\'[^\']*\'|[^.\s]+', text))
+
+
+def _toml_lines(text: str) -> dict[Loc, int]:
+    """Table headers and `key =` lines (dotted keys included), first occurrence wins. Keys
+    inside inline tables and arrays are found by their enclosing key, which is on the same line."""
+    lines: dict[Loc, int] = {}
+    table: tuple[str, ...] = ()
+    for number, line in enumerate(text.splitlines(), start=1):
+        if header := _TOML_HEADER.match(line):
+            table = _toml_key(header.group(1))
+            lines.setdefault(table, number)
+        elif key := _TOML_KEY.match(line):
+            lines.setdefault(table + _toml_key(key.group(1)), number)
+    return lines
+
+
+def _yaml_lines(node: yaml.Node, at: Loc, lines: dict[Loc, int]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            here = at + (key.value,)
+            lines.setdefault(here, key.start_mark.line + 1)
+            _yaml_lines(value, here, lines)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            lines.setdefault(at + (i,), item.start_mark.line + 1)
+            _yaml_lines(item, at + (i,), lines)
+
+
+def _line_of(lines: dict[Loc, int], loc: Loc) -> int:
+    """The line of `loc`'s deepest key found in the file. Parts that are not keys there (a
+    union's tag, a list index in TOML, a key left out) are stepped over, so a missing key
+    points at its table and a bad list item at its list."""
+    at: Loc = ()
+    for part in loc:
+        if at + (part,) in lines:
+            at += (part,)
+    return lines.get(at, 1)
+
+
+def _dotted(loc: Loc) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "(file)"
+
+
+def _first_error(path: Path, lines: dict[Loc, int], err: ValidationError, at: Loc) -> ExperimentError:
+    """One line: the first validation error at its key's line, and how many more there are."""
+    errors = err.errors()
+    first = errors[0]
+    loc = at + tuple(first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        message = "unknown key"
+    elif first["type"] == "missing":
+        message = "required key missing"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return ExperimentError(f"{path}:{_line_of(lines, loc)}: {_dotted(loc)}: {message}{more}")

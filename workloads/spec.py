@@ -1,0 +1,153 @@
+"""Workload specs: every workload is a named, seeded, serialisable value. A built workload
+carries its spec's JSON dump (`Workload.spec`), a run stores it, and `parse_spec(dump).build()`
+gives back exactly the same requests.
+
+Two sources: `WorkloadSpec` (an arrival process and length distributions, drawn from seeded
+RNGs) and `TraceSpec` (a real trace through the readers of `workloads.traces`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Annotated, Literal, Self, Union
+
+from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, TypeAdapter, model_validator
+
+from workloads.arrivals import AllAtOnce, ArrivalProcess, ClosedLoopArrivals
+from workloads.lengths import LengthDist
+from workloads.traces import AZURE_CONV, read_azure_csv, read_mooncake_jsonl
+from workloads.workload import ClosedLoop, SpecModel, Workload, WorkloadRequest
+
+
+class _Spec(SpecModel):
+    def build(self) -> Workload:
+        raise NotImplementedError
+
+    def with_mean_rate(self, rate: float) -> Self:
+        raise NotImplementedError
+
+    @property
+    def has_rate(self) -> bool:
+        return True
+
+    def at_load(self, load: float, capacity_tokens_per_s: float) -> Self:
+        """This spec with arrivals at `load` x a measured capacity (output tokens/s): mean request
+        rate = load * capacity / mean output length, the mean read off the built lengths (they do
+        not depend on the rate). A spec with no rate (all at once, closed loop) comes back as it
+        is: its size or its users set its load."""
+        if load <= 0 or capacity_tokens_per_s <= 0:
+            raise ValueError(f"load ({load}) and capacity_tokens_per_s ({capacity_tokens_per_s}) must be > 0")
+        if not self.has_rate:
+            return self
+        lens = self.build().output_lens
+        mean_output = sum(lens) / len(lens)
+        return self.with_mean_rate(load * capacity_tokens_per_s / mean_output)
+
+
+class WorkloadSpec(_Spec):
+    """A synthetic workload. Request i gets session `s{i % sessions}` when `sessions` is set.
+
+    RNG layout: "split" (the default) draws arrivals from the stream "{seed}-arrivals" and
+    lengths from "{seed}-lengths" (per request: output, then a long-prompt coin, then the
+    prompt unless the coin came up long), so a rate or load sweep changes only when requests
+    arrive. "single" is the older layout of `saturated`, one stream `Random(seed)` drawing
+    prompt then output, kept so `saturated` and `sigma-sweep` make the requests they always
+    have; it only goes with all-at-once arrivals and no long prompts."""
+
+    source: Literal["synthetic"] = "synthetic"
+    name: str = Field(min_length=1)
+    seed: int = 0
+    num_requests: PositiveInt
+    arrivals: ArrivalProcess
+    prompt_len: LengthDist
+    output_len: LengthDist
+    long_prompt_share: float = Field(0.0, ge=0.0, le=1.0)
+    long_prompt_len: PositiveInt = 480
+    sessions: PositiveInt | None = None
+    rng_layout: Literal["split", "single"] = "split"
+
+    @model_validator(mode="after")
+    def _single_layout_is_saturated_only(self) -> WorkloadSpec:
+        if self.rng_layout == "single" and (not isinstance(self.arrivals, AllAtOnce) or self.long_prompt_share > 0):
+            raise ValueError("rng_layout 'single' needs all_at_once arrivals and long_prompt_share 0 "
+                             "(use 'split', so lengths do not depend on the arrivals)")
+        return self
+
+    @property
+    def has_rate(self) -> bool:
+        return self.arrivals.mean_rate is not None
+
+    def with_mean_rate(self, rate: float) -> WorkloadSpec:
+        """The same spec with arrivals at a long-run mean of `rate` requests/s."""
+        return self.replace(arrivals=self.arrivals.with_mean_rate(rate))
+
+    def build(self) -> Workload:
+        n = self.num_requests
+        if self.rng_layout == "single":
+            rng = random.Random(self.seed)
+            times = self.arrivals.times(n, rng)
+            lengths = [(self.prompt_len.sample(rng), self.output_len.sample(rng)) for _ in range(n)]
+        else:
+            times = self.arrivals.times(n, random.Random(f"{self.seed}-arrivals"))
+            rng = random.Random(f"{self.seed}-lengths")
+            lengths = []
+            for _ in range(n):
+                output = self.output_len.sample(rng)
+                prompt = self.long_prompt_len if rng.random() < self.long_prompt_share else self.prompt_len.sample(rng)
+                lengths.append((prompt, output))
+        requests = [WorkloadRequest(t, prompt, output, None if self.sessions is None else f"s{i % self.sessions}")
+                    for i, (t, (prompt, output)) in enumerate(zip(times, lengths))]
+        params = {"num_requests": n, **self.arrivals.model_dump(), "long_prompt_share": self.long_prompt_share,
+                  "long_prompt_len": self.long_prompt_len}
+        if self.arrivals.mean_rate is not None:
+            params["mean_rate_requests_per_s"] = self.arrivals.mean_rate
+        closed = self.arrivals
+        closed_loop = ClosedLoop(closed.users, closed.think_time) if isinstance(closed, ClosedLoopArrivals) else None
+        return Workload(self.name, self.seed, requests, params, self.model_dump(mode="json"), closed_loop)
+
+
+class TraceSpec(_Spec):
+    """A real trace, read by `workloads.traces` with its scaling and sampling (the readers name
+    file and line of any bad row). `path` None is the shipped Azure conversation trace."""
+
+    source: Literal["trace"] = "trace"
+    format: Literal["azure", "mooncake"]
+    path: str | None = None
+    name: str | None = Field(None, min_length=1)  # None: the reader's ("azure-conv", "mooncake")
+    time_scale: PositiveFloat = 1.0
+    length_scale: PositiveFloat = 1.0
+    every: PositiveInt = 1
+    limit: PositiveInt | None = None
+    start_offset: NonNegativeFloat = 0.0
+
+    @model_validator(mode="after")
+    def _mooncake_needs_a_path(self) -> TraceSpec:
+        if self.format == "mooncake" and self.path is None:
+            raise ValueError("path: a mooncake trace needs a path (only the Azure trace ships with slotserve)")
+        return self
+
+    def build(self) -> Workload:
+        reader = read_azure_csv if self.format == "azure" else read_mooncake_jsonl
+        workload = reader(self.path or AZURE_CONV, time_scale=self.time_scale, length_scale=self.length_scale,
+                          every=self.every, limit=self.limit, start_offset=self.start_offset)
+        return dataclasses.replace(workload, name=self.name or workload.name, spec=self.model_dump(mode="json"))
+
+    def with_mean_rate(self, rate: float) -> TraceSpec:
+        """The same sample with its time scale set so that it offers `rate` requests/s on average."""
+        if rate <= 0:
+            raise ValueError(f"rate must be > 0, got {rate}")
+        requests = self.build().requests
+        span = requests[-1].arrival
+        if len(requests) < 2 or span <= 0:
+            raise ValueError(f"{self.path or AZURE_CONV}: the sample arrives all at once and has no rate to scale")
+        return self.replace(time_scale=self.time_scale * (len(requests) - 1) / span / rate)
+
+
+AnyWorkloadSpec = Annotated[Union[WorkloadSpec, TraceSpec], Field(discriminator="source")]
+_ANY_SPEC = TypeAdapter(AnyWorkloadSpec)
+
+
+def parse_spec(data: dict) -> WorkloadSpec | TraceSpec:
+    """A stored spec (`Workload.spec`, any `model_dump`) back as a spec, synthetic or trace by
+    its `source`; bad data raises pydantic's ValidationError naming the field."""
+    return _ANY_SPEC.validate_python(data)
