@@ -33,7 +33,7 @@ MODEL = "smollm2-135m"
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 PROFILED = (1, 64)
 PROMPT_LEN = 64
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")
 
 
 def machine() -> dict:
@@ -124,6 +124,86 @@ def decode_sweep_point(runner: ModelRunner, batch: int, max_tokens: int, profile
     return out
 
 
+def in_turns(variants: dict, reps: int) -> dict[str, float]:
+    """Median seconds of each variant's call, taken in turns (a, b, a, b, ...) so a
+    neighbour's burst hits both alike; the first round only warms up."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for round_ in range(reps + 1):
+        for name, call in variants.items():
+            t = time.perf_counter()
+            call()
+            if round_:
+                times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def _with(switch, step):
+    """A call that switches a variant on, then runs the step (the switch costs microseconds)."""
+    return lambda: (switch(), step())
+
+
+def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
+    """What each optimisation of the forward pass buys, each measured against its absence in
+    one run: prepacked oneDNN matrices (decode steps of the real engine), fused QKV and
+    gate/up projections, one batched attention call against a loop over sequences, and
+    torch's thread count."""
+    from replica.attention import AttentionMetadata, build_group, slot_attention
+    from replica.linear import Linear
+    from replica.model import Decoder
+    from replica.model_loader import load_hf_model
+
+    rows = []
+    plain = Decoder.from_hf(load_hf_model(MODEL)[0], torch.float32, "cpu", pack_weights=False)
+    packed = runner.model
+    for batch in (8, 64):
+        engine = Engine(EngineConfig(policy="mixed", num_slots=batch, max_seq_len=256), runner=runner)
+        for i in range(batch):
+            engine.add_request([100 + (7 * i + j) % 5000 for j in range(PROMPT_LEN)],
+                               {"max_tokens": 4 * reps + 10, "ignore_eos": True})
+        engine.step()
+        t = in_turns({"plain": _with(lambda: setattr(runner, "model", plain), engine.step),
+                      "packed": _with(lambda: setattr(runner, "model", packed), engine.step)}, reps)
+        rows.append({"what": f"prepacked oneDNN matrices (decode step, B={batch})", "without": t["plain"],
+                     "with": t["packed"]})
+        if batch == 64:
+            threads = torch.get_num_threads()
+            if threads > 1:
+                t = in_turns({"1": _with(lambda: torch.set_num_threads(1), engine.step),
+                              "n": _with(lambda: torch.set_num_threads(threads), engine.step)}, reps)
+                rows.append({"what": f"{threads} torch threads instead of 1 (decode step, B=64)", "without": t["1"],
+                             "with": t["n"]})
+            torch.set_num_threads(threads)
+        runner.model = packed
+        while engine.has_unfinished:
+            engine.step()
+    s = runner.model.shape
+    x = torch.randn(64, s.hidden_size)
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    for name, outs in (("QKV", (q, kv, kv)), ("gate/up", (s.intermediate_size, s.intermediate_size))):
+        parts = [Linear(torch.randn(n, s.hidden_size)) for n in outs]
+        fused = Linear(torch.randn(sum(outs), s.hidden_size))
+        t = in_turns({"separate": lambda: [p(x) for p in parts], "fused": lambda: fused(x)}, reps * 4)
+        rows.append({"what": f"fused {name} projection (one layer, 64 rows)", "without": t["separate"],
+                     "with": t["fused"]})
+    # Attention at B=64, context 100: one SDPA call over the padded slot range, or one per sequence.
+    kc, vc = (torch.randn(64, s.num_kv_heads, 256, s.head_dim) for _ in range(2))
+    qs = torch.randn(64, s.num_heads, s.head_dim)
+    q_per_kv = s.num_heads // s.num_kv_heads
+    positions = [60 + (7 * i) % 80 for i in range(64)]
+    meta = AttentionMetadata(torch.arange(64), [build_group(list(range(64)), list(range(64)), [0] * 64, positions,
+                                                            q_per_kv, "cpu")], q_per_kv)
+
+    def per_sequence():
+        for i, p in enumerate(positions):
+            qi = qs[i].view(s.num_kv_heads, q_per_kv, s.head_dim)
+            torch.nn.functional.scaled_dot_product_attention(qi, kc[i, :, : p + 1], vc[i, :, : p + 1])
+
+    t = in_turns({"loop": per_sequence, "batched": lambda: slot_attention(qs, kc, vc, meta)}, reps * 4)
+    rows.append({"what": "batched attention, one call per group (one layer, B=64, context 60-140)",
+                 "without": t["loop"], "with": t["batched"]})
+    return rows
+
+
 def knee(rows: list[dict]) -> tuple[int, int | None]:
     """(knee, the B after it). Counted from B=2 (see render): up to the knee every doubling
     of B gained at least 1.5x tokens/s, i.e. grew nearly linearly; the next one gained less."""
@@ -133,7 +213,8 @@ def knee(rows: list[dict]) -> tuple[int, int | None]:
     return rows[-1]["batch"], None
 
 
-def render(m: dict, hw: dict, pred: dict, rows: list[dict], args, load: float, others: float) -> str:
+def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], args, load: float,
+           others: float) -> str:
     """HARDWARE.md as markdown."""
     fp32, bf16, bw = hw["fp32"], hw["bf16"], hw["bw"]
     k, after = knee(rows)
@@ -209,9 +290,24 @@ def render(m: dict, hw: dict, pred: dict, rows: list[dict], args, load: float, o
         if "top_ops" in r:
             ops = ", ".join(f"`{name}` {ms:.1f}" for name, ms in r["top_ops"])
             mm_s = r["mm_ms"] / 1e3
-            lines.append(f"- B={r['batch']}: matrix products (`mm`, `addmm`, `bmm`) {r['mm_share']:.0%}, in which the "
+            lines.append(f"- B={r['batch']}: matrix products (`mm`, `addmm`, `bmm`, `_linear_pointwise`) "
+                         f"{r['mm_share']:.0%}, in which the "
                          f"weights stream at {4 * pred['P'] / mm_s / 1e9:.1f} GB/s and the arithmetic runs at "
                          f"{2 * pred['P'] * r['batch'] / mm_s / 1e9:.0f} GFLOP/s; top ops, ms per step: {ops}")
+    lines += [
+        "", "## What each optimisation bought", "",
+        "Each measured against its absence in the same run, in turns (median of several; `optimisations()` in "
+        "`benchmarks/hardware.py`). Kept: all of these.", "",
+        "| optimisation | without ms | with ms | speedup |", "|---|---:|---:|---:|",
+    ]
+    lines += [f"| {o['what']} | {o['without'] * 1e3:.2f} | {o['with'] * 1e3:.2f} | {o['without'] / o['with']:.2f}x |"
+              for o in opts]
+    lines += [
+        "", "Not kept or not tried: bf16 (no AVX-512 BF16 or AMX here, see the roofs above; oneDNN refuses to pack "
+        "bf16 weights without them); `torch.compile` of the step (not measured: every step has a different "
+        "number of rows and context lengths, so it would recompile or run with dynamic shapes, and compiling "
+        "on two cores takes minutes; the prepacked oneDNN matrices are what its CPU freezing pass would pick).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -258,13 +354,16 @@ def main() -> None:
               f"{r['flops'] / 1e9:5.1f} GFLOP/s, roofline {r['roof'] * 1e3:.1f} ms"
               + (f"; matrix products {r['mm_share']:.0%} of profiled CPU time" if "mm_share" in r else ""))
     print(f"knee: B = {knee(rows)[0]}")
+    opts = optimisations(runner, reps=4 if args.quick else 8)
+    for o in opts:
+        print(f"{o['what']}: {o['without'] * 1e3:.2f} -> {o['with'] * 1e3:.2f} ms ({o['without'] / o['with']:.2f}x)")
 
     others = others_share(snap, cpu_snapshot())
     if others > 0.05:
         print(f"WARNING: other processes kept {others:.0%} of the cores busy during the run: numbers may be low")
     if noisy := [r["batch"] for r in rows if r["spread"] > 0.2]:
         print(f"WARNING: decode step times spread > 20% at B = {noisy}: consider rerunning on a quiet machine")
-    Path(args.out).write_text(render(m, hw, pred, rows, args, load, others))
+    Path(args.out).write_text(render(m, hw, pred, rows, opts, args, load, others))
     print(f"wrote {args.out}")
 
 

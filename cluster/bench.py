@@ -38,8 +38,7 @@ from workloads.workload import request_prompt
 # small pages waste less of a short request's cache; the token budget bounds a step's work.
 # Its K/V cache gets as many tokens as slotserve's largest slot cache (auto-sizing on a CPU
 # takes gigabytes of host memory).
-HF_CB_GRID = ({"page_size": 16, "max_batch_tokens": 256}, {"page_size": 32, "max_batch_tokens": 512},
-              {"page_size": 256, "max_batch_tokens": 1024})
+HF_CB_GRID = ({"page_size": 16, "max_batch_tokens": 256}, {"page_size": 256, "max_batch_tokens": 1024})
 MAX_SEQ_LEN = 64 + 256  # saturated: prompts up to 64 tokens, outputs up to 256
 STATIC_BATCH = 8
 DECODE_PROMPT_LEN = 64

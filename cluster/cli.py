@@ -24,6 +24,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slots", type=int, default=8, help="K/V cache slots = most requests running at once")
 
 
+def _cache_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache", choices=["slot", "paged"], default="slot",
+                   help="slot: each request reserves a max-seq-len row; paged: 16-token blocks taken as it grows")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="paged: requests share the K/V blocks of identical prompt prefixes")
+
+
+def _cache_args(args: argparse.Namespace) -> dict:
+    """The engine's K/V cache fields from the command line."""
+    return {"kv_cache": args.kv_cache, "prefix_caching": args.prefix_caching}
+
+
 def _running_cluster(address: str | None) -> bool:
     """Is there a slotserve cluster to send requests to? (Never starts one.)"""
     from cluster.client import ClusterError, connect, router_handle
@@ -53,7 +65,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from replica.engine import Engine, EngineConfig
 
         engine = Engine(EngineConfig(model=args.model, policy=args.policy, num_slots=args.slots, dtype=args.dtype,
-                                     device=args.device, max_seq_len=args.max_seq_len))
+                                     device=args.device, max_seq_len=args.max_seq_len, **_cache_args(args)))
         prompts = args.prompts
         if args.chat:
             tok = engine.tokenizer
@@ -77,7 +89,8 @@ def _cluster_spec(args: argparse.Namespace):
     from replica.serving import ReplicaConfig
 
     engine = EngineConfig(model=args.model, policy=args.policy, num_slots=args.slots, dtype=args.dtype,
-                          device="cuda" if args.num_gpus else args.device, max_seq_len=args.max_seq_len)
+                          device="cuda" if args.num_gpus else args.device, max_seq_len=args.max_seq_len,
+                          **_cache_args(args))
     return ClusterSpec(num_replicas=args.replicas, replica=ReplicaConfig(engine=engine, fake_step_seconds=args.fake_step),
                        routing_policy=args.routing[0], num_cpus_per_replica=args.num_cpus, num_gpus_per_replica=args.num_gpus,
                        store_path=str(args.store), seed=args.seed)
@@ -183,6 +196,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", type=Path, default=DEFAULT_STORE, help="metrics store file (SQLite)")
     p.add_argument("--seed", type=int, default=0)
     _engine_args(p)
+    _cache_flags(p)
 
 
 def _address_arg(p: argparse.ArgumentParser) -> None:
@@ -211,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--local", action="store_true", help="run in this process even when a cluster is up")
     _address_arg(g)
     _engine_args(g)
+    _cache_flags(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("compare", help="compare batching policies on one replica, same traffic",

@@ -95,7 +95,7 @@ def routing_experiment(deployment: Deployment, routing_policies: list[str], work
 
 # --- experiment files: the plan -----------------------------------------------------------
 
-AXES = ("batching", "routing", "load", "token_budget", "slots")  # a table row's key: a cell without its seed
+AXES = ("workload", "batching", "routing", "load", "token_budget", "slots")  # a table row's key: a cell without its seed
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,7 @@ class Cell:
     token_budget: int | None  # None: the batching policy has no token budget
     slots: int  # per replica
     seed: int
+    workload: str = ""  # one of sweep.workload's argument sets, as "k=v k=v" ("": the workload as given)
 
     @property
     def deployment(self) -> tuple:
@@ -118,7 +119,8 @@ class Cell:
 
     @property
     def label(self) -> str:
-        parts = [f"{self.batching}/{self.routing}"]
+        parts = [self.workload] if self.workload else []
+        parts += [f"{self.batching}/{self.routing}"]
         parts += [f"{a}={getattr(self, a)}" for a in ("load", "token_budget") if getattr(self, a) is not None]
         return " ".join(parts + [f"slots={self.slots}", f"seed={self.seed}"])
 
@@ -134,6 +136,7 @@ class Plan:
     experiment: Experiment
     cells: list[Cell]
     cost: CostModel | None = None  # what a simulated step costs; None when not simulating
+    workload_args: dict[str, dict] = field(default_factory=lambda: {"": {}})  # Cell.workload -> its arguments
 
     def engine_config(self, cell: Cell) -> EngineConfig:
         c = self.experiment.cluster
@@ -144,7 +147,7 @@ class Plan:
 
     def workload(self, cell: Cell, capacity: float) -> Workload:
         """The cell's workload: its seed, at its load x `capacity` (output tokens/s)."""
-        spec = self.experiment.workload_spec(cell.seed)
+        spec = self.experiment.workload_spec(cell.seed, self.workload_args[cell.workload])
         if cell.load is None:
             return spec.build()
         workload = spec.at_load(cell.load, capacity).build()
@@ -164,12 +167,13 @@ def plan_experiment(path: str | Path, seeds: list[int] | None = None, simulate: 
     clash = sorted(_SET_ELSEWHERE & set(c.engine))
     if clash:
         raise experiment.error(("cluster", "engine", clash[0]), "set it in [cluster] or [sweep], not in cluster.engine")
+    variants = {" ".join(f"{k}={v}" for k, v in args.items()): args for args in experiment.workload_variants()}
     cells = []
-    for slots, batching in itertools.product(sweep.slots or [c.slots], sweep.batching):
+    for name, slots, batching in itertools.product(variants, sweep.slots or [c.slots], sweep.batching):
         budgets = (sweep.token_budget or [c.token_budget]) if uses_token_budget(batching) else [None]
         for budget, routing, load, seed in itertools.product(budgets, sweep.routing, sweep.load or [None], sweep.seeds):
-            cells.append(Cell(batching, routing, load, budget, slots, seed))
-    plan = Plan(experiment, cells)
+            cells.append(Cell(batching, routing, load, budget, slots, seed, name))
+    plan = Plan(experiment, cells, workload_args=variants)
     for cell in {cell.deployment: cell for cell in cells}.values():
         try:
             plan.engine_config(cell)

@@ -106,6 +106,24 @@ def test_token_budget_axis_multiplies_only_policies_that_read_it(tmp_path):
     assert [plan.engine_config(c).token_budget for c in plan.cells[1:]] == [32, 64]
 
 
+def test_workload_axis_sweeps_the_standard_workloads_arguments(tmp_path):
+    """sweep.workload gives one cell per argument set, each built from the standard workload
+    with that argument (sigma-sweep's output spread here), shown as its own table column; an
+    argument the workload does not take is an error at that key's line."""
+    text = EXPERIMENT.replace('standard = "bursty-mix"\nargs = { num_requests = 12 }',
+                              'standard = "sigma-sweep"\nargs = { num_requests = 12 }').replace(
+        'load = [0.5, 1.0]', 'workload = [{ sigma = 0.0 }, { sigma = 1.2 }]')
+    plan = plan_experiment(write(tmp_path, text), seeds=[0])
+    assert [(c.workload, c.batching) for c in plan.cells] == [
+        ("sigma=0.0", "static"), ("sigma=0.0", "continuous"), ("sigma=1.2", "static"), ("sigma=1.2", "continuous")]
+    flat, spread = (plan.workload(c, 1.0).output_lens for c in (plan.cells[0], plan.cells[2]))
+    assert len(set(flat)) == 1 and len(set(spread)) > 5
+
+    bad = text.replace("{ sigma = 1.2 }", "{ sigmaa = 1.2 }")
+    with pytest.raises(ValueError, match=rf"tiny.toml:{line_of(bad, 'sigmaa')}: sweep.workload: .*sigmaa"):
+        plan_experiment(write(tmp_path, bad))
+
+
 def test_the_help_example_is_a_valid_experiment(tmp_path):
     """The file shown by `slotserve experiment --help` plans as it says: 2 batching policies
     (chunked with 2 budgets) x 3 loads x 3 seeds."""

@@ -118,6 +118,9 @@ class SweepSection(_Section):
     token_budget: list[PositiveInt] | None = Field(None, min_length=1)
     slots: list[PositiveInt] | None = Field(None, min_length=1)
     seeds: list[int] = Field([0], min_length=1)
+    # Argument sets of the standard workload, each merged over workload.args: e.g. the
+    # output-length spread, [{sigma = 0.0}, {sigma = 0.8}] on sigma-sweep.
+    workload: list[dict[str, Any]] | None = Field(None, min_length=1)
 
     @field_validator("batching")
     @classmethod
@@ -176,9 +179,15 @@ class Experiment(_Section):
         """A validation error of something built from the key `at` (its paths are below it)."""
         return _first_error(self._path, self._lines, err, at)
 
-    def workload_spec(self, seed: int) -> WorkloadSpec | TraceSpec:
-        """The workload of one seed (a trace is fixed: the seed then only seeds the run's prompts)."""
-        return self._spec.replace(seed=seed) if isinstance(self._spec, WorkloadSpec) else self._spec
+    def workload_spec(self, seed: int, args: dict[str, Any] | None = None) -> WorkloadSpec | TraceSpec:
+        """The workload of one seed and one of sweep.workload's argument sets (a trace is
+        fixed: the seed then only seeds the run's prompts)."""
+        spec = _standard(self, args) if args else self._spec
+        return spec.replace(seed=seed) if isinstance(spec, WorkloadSpec) else spec
+
+    def workload_variants(self) -> list[dict[str, Any]]:
+        """sweep.workload's argument sets, or one empty set."""
+        return self.sweep.workload or [{}]
 
 
 def load_experiment(path: str | Path, *, batching: Collection[str], routing: Collection[str],
@@ -218,14 +227,25 @@ def _base_spec(experiment: Experiment) -> WorkloadSpec | TraceSpec:
     for key in ("args", "override"):
         if "seed" in getattr(section, key):
             raise experiment.error(("workload", key, "seed"), "seeds come from sweep.seeds")
+    return _standard(experiment, {})
+
+
+def _standard(experiment: Experiment, args: dict[str, Any]) -> WorkloadSpec | TraceSpec:
+    """The standard workload with workload.args, then `args` (one of sweep.workload's sets), then workload.override."""
+    section = experiment.workload
+    at = ("sweep", "workload") if args else ("workload", "args")
+    if section.standard is None:
+        raise experiment.error(at, "sweep.workload varies a standard workload's arguments; this one is a full spec")
+    if "seed" in args:
+        raise experiment.error(at, "seeds come from sweep.seeds")
     try:
-        spec = standard_spec(section.standard, **section.args)
+        spec = standard_spec(section.standard, **{**section.args, **args})
     except ValidationError as err:  # a value the spec refuses, under the argument's name
-        raise experiment.invalid(err, ("workload", "args")) from None
+        raise experiment.invalid(err, at) from None
     except TypeError as err:  # an argument the factory does not take
-        raise experiment.error(("workload", "args"), f"{section.standard}: {err}") from None
+        raise experiment.error(at, f"{section.standard}: {err}") from None
     except ValueError as err:  # the factory's own check (azure-conv's fixed seed)
-        raise experiment.error(("workload", "args"), str(err)) from None
+        raise experiment.error(at, str(err)) from None
     return _validated(experiment, ("workload", "override"), lambda: spec.replace(**section.override))
 
 
@@ -241,7 +261,8 @@ def _check_workloads(experiment: Experiment) -> None:
     """Build the workload of every seed (and at a load, when the sweep has one), so a bad
     trace or a spec that cannot run at a load fails now, before any run."""
     loads = experiment.sweep.load
-    specs = {s.model_dump_json(): s for s in map(experiment.workload_spec, experiment.sweep.seeds)}  # a trace: one
+    specs = {s.model_dump_json(): s for s in (experiment.workload_spec(seed, args) for seed in experiment.sweep.seeds
+                                               for args in experiment.workload_variants())}  # a trace: one
     for spec in specs.values():
         if loads and not spec.has_rate:
             raise experiment.error(("sweep", "load"), f"workload {spec.name!r} has no arrival rate (all at once or "
