@@ -142,7 +142,9 @@ class _Feed:
                     return
                 batch, now = ray.get(ref), time.time()
                 for raw in batch:
-                    sink = self.sinks.pop(raw["request_id"]) if raw["finished"] else self.sinks.get(raw["request_id"])
+                    # An aborted or refused request's sink is gone already: its final event is dropped.
+                    rid = raw["request_id"]
+                    sink = self.sinks.pop(rid, None) if raw["finished"] else self.sinks.get(rid)
                     if sink is not None:
                         sink(StreamEvent(raw["token_ids"], raw["text"], now, raw["time"], raw["finished"],
                                          raw["finish_reason"], raw["error"], raw["replica_id"]))

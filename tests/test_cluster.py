@@ -60,7 +60,8 @@ def test_fake_cluster_serves_streams_and_records(local_ray):
 
 def test_bad_input_through_the_client_is_a_clear_error(local_ray):
     """Invalid fields fail fast at the client with the field named; an empty prompt is
-    refused by the replica and comes back as InvalidRequestError; the cluster keeps serving."""
+    refused by the replica and comes back as InvalidRequestError; a stream its consumer
+    leaves is aborted without disturbing the next request; the cluster keeps serving."""
     start_cluster(ClusterSpec(num_replicas=1, replica=FAKE, store_path=str(local_ray / "s.db")))
     client = Client()
     with pytest.raises(InvalidRequestError, match="temperature"):
@@ -71,6 +72,10 @@ def test_bad_input_through_the_client_is_a_clear_error(local_ray):
         client.generate([], max_tokens=3)
     with pytest.raises(InvalidRequestError, match="exceeds"):
         client.generate([1] * 10, max_tokens=1000)
+    left = client.stream([5, 6], max_tokens=200, ignore_eos=True)
+    next(left)
+    left.close()  # aborts it; the replica's final event for it must be dropped quietly
+    time.sleep(0.5)
     assert client.generate([1, 2], max_tokens=3, ignore_eos=True).finish_reason == "length"
 
 
