@@ -86,7 +86,7 @@ async def _replay(client: Client, workload: Workload, run_id: int, store, replic
         while True:
             for i, spec, planned in schedule.due(time.time(), t0):
                 tasks.append(asyncio.create_task(one(i, spec, t0 + planned)))
-            await tell_replicas(schedule.next_time() is None)
+            await tell_replicas(schedule.waiting_on_ends)
             if schedule.done:
                 break
             wake.clear()  # no await since due(): no end was missed

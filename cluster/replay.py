@@ -41,8 +41,7 @@ def replay(engine: Engine, workload: Workload, seed: int = 0, progress: bool = F
                                      oracle_output_len=spec.output_len)
             requests[rid], index_of[rid] = engine.requests[rid], i
             lateness.append(now - (t0 + planned))
-        # With no request due before a running one ends, a static batch need not wait to be full.
-        engine.scheduler.arrivals_done = schedule.next_time() is None
+        engine.scheduler.arrivals_done = schedule.waiting_on_ends
         result = engine.step()
         for output in result.outputs:
             if output.finished:

@@ -186,7 +186,7 @@ class Simulator:
     def _tell_arrivals_done(self) -> None:
         """Whether a request may come before a running one ends, as the cluster's driver tells
         its replicas: with none coming, a static batch need not wait to be full."""
-        done = self.schedule.next_time() is None
+        done = self.schedule.waiting_on_ends
         if done != self._arrivals_done:
             self._arrivals_done = done
             for i, replica in enumerate(self.replicas):

@@ -228,7 +228,8 @@ def test_open_loop_schedule_releases_planned_arrivals_in_order():
     first = s.due(w.requests[2].arrival)
     assert [(i, planned) for i, _, planned in first] == [(i, w.requests[i].arrival) for i in range(3)]
     assert s.due(w.requests[2].arrival) == [] and not s.done
-    assert [i for i, _, _ in s.due(1e9)] == [3, 4, 5] and s.done and s.next_time() is None
+    assert not s.waiting_on_ends
+    assert [i for i, _, _ in s.due(1e9)] == [3, 4, 5] and s.done and s.next_time() is None and s.waiting_on_ends
     with pytest.raises(ValueError, match="finished twice"):
         s.finished(0, 1.0)
         s.finished(0, 2.0)
@@ -241,10 +242,11 @@ def test_closed_loop_schedule_releases_on_finish():
     its previous one finished, and nothing before that."""
     s = ArrivalSchedule(spec(ClosedLoopArrivals(users=2, think_time=0.5), n=5).build())
     assert [i for i, _, _ in s.due(0.0)] == [0, 1] and s.next_time() is None and not s.done
+    assert s.waiting_on_ends  # both users wait on their running requests
     with pytest.raises(ValueError, match="never handed out"):
         s.finished(2, 0.0)
     s.finished(1, 3.0)
-    assert s.next_time() == 3.5 and s.due(3.4) == []
+    assert s.next_time() == 3.5 and s.due(3.4) == [] and not s.waiting_on_ends
     assert [(i, planned) for i, _, planned in s.due(3.5)] == [(3, 3.5)]
     s.finished(0, 4.0)
     assert [(i, planned) for i, _, planned in s.due(10.0)] == [(2, 4.5)]

@@ -56,6 +56,13 @@ class ArrivalSchedule:
             heapq.heappush(self._planned, (now + closed.think_time, index + closed.users))
 
     @property
+    def waiting_on_ends(self) -> bool:
+        """No request can arrive before a running one ends: all were handed out, or a closed
+        loop's users all wait. Replayers pass this to their engines as `arrivals_done`, so a
+        static batch does not wait to fill with requests that cannot come."""
+        return not self._planned
+
+    @property
     def done(self) -> bool:
         """Every request was handed out."""
         return len(self._sent) == len(self.workload.requests)
