@@ -11,17 +11,28 @@ grid of synthetic requests, each cell in a fresh engine on one shared runner:
   positions, sharing steps with decodes (the mixed steps of chunked prefill);
 - a `static` cell with spread output lengths: padding rows of finished requests.
 
+With `--replicas N` the grid runs in N processes at once, one model each: the step times of a
+replica that shares this machine with N-1 busy neighbours (memory bandwidth and caches are
+shared), which is what a simulated N-replica cluster on this machine should pay. A process
+that finishes early keeps stepping, unrecorded, until the last one is done, so every recorded
+step ran beside N-1 others.
+
 Each step's record duration (what the simulator's steps last) is paired with the features
 the scheduler gave that step (`StepFeatures`), and a non-negative least-squares fit gives
 the coefficients; every fifth step is held out to measure the fit. The first cell only warms
 the runner up (allocations, caches) and is not used. Torch runs 1 thread by default, as a
 cluster replica does at its default Ray `num_cpus=1` (and a busy neighbour then disturbs the
 measurement far less than it disturbs threads that wait on each other).
+
+With `--from-store DB --runs ID...` nothing is measured: the fit is made to the steps real
+runs recorded (`steps` rows: decode, prefill and context tokens, padding rows, duration), so a
+cluster's own serving steps, with whatever else shared the machine with it, calibrate it.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import platform
 import statistics
@@ -29,6 +40,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from queue import Empty
 
 from tqdm import tqdm
 
@@ -117,8 +129,9 @@ def _kind(f: StepFeatures) -> str:
     return "prefill" if f.prefill_tokens else f"decode B={f.decode_tokens}"
 
 
-def machine(model: str, dtype: str, device: str, num_slots: int) -> dict:
-    """What the coefficients belong to: the CPU, its cores, torch and its threads, the model."""
+def machine(model: str, dtype: str, device: str, num_slots: int, replicas: int = 1) -> dict:
+    """What the coefficients belong to: the CPU, its cores, torch and its threads, the model,
+    and how many replicas were measured side by side."""
     import torch
 
     cpu = platform.processor() or platform.machine()
@@ -127,23 +140,73 @@ def machine(model: str, dtype: str, device: str, num_slots: int) -> dict:
         cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
                     if line.startswith("model name")), cpu)
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "model": model, "dtype": dtype, "device": device, "num_slots": num_slots, "hostname": platform.node(),
+            "model": model, "dtype": dtype, "device": device, "num_slots": num_slots, "replicas": replicas,
+            "hostname": platform.node(),
             "calibrated": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def calibrate(model: str = DEFAULT_MODEL, num_slots: int = 8, dtype: str = "float32", device: str = "auto",
-              quick: bool = False, seed: int = 0, progress: bool = True
+              quick: bool = False, seed: int = 0, progress: bool = True, replicas: int = 1
               ) -> tuple[FittedCostModel, list[tuple[StepFeatures, float, str]]]:
-    """Measure the grid and fit; returns the model and the samples it was fitted on."""
+    """Measure the grid (in `replicas` processes at once when more than one, each on as many
+    torch threads as this process has) and fit; returns the model and the samples it was
+    fitted on."""
+    import torch
+
     from replica.model_runner import ModelRunner
 
     cells = grid(num_slots, quick)
     max_seq_len = max(c.prompt_len + c.max_tokens for c in cells)
-    runner = ModelRunner(model, num_slots, max_seq_len, dtype, device, seed)
-    samples = measure(runner, cells, max_seq_len, seed, progress)
+    if replicas == 1:
+        runner = ModelRunner(model, num_slots, max_seq_len, dtype, device, seed)
+        samples, device = measure(runner, cells, max_seq_len, seed, progress), runner.device
+    else:
+        ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
+        barrier, finished, queue = ctx.Barrier(replicas), ctx.Value("i", 0), ctx.Queue()
+        workers = [ctx.Process(target=_colocated_replica, daemon=True,
+                               args=(i, barrier, finished, queue, model, num_slots, max_seq_len, dtype, device,
+                                     seed + i, torch.get_num_threads(), cells, progress and i == 0))
+                   for i in range(replicas)]
+        for w in workers:
+            w.start()
+        results = []
+        while len(results) < replicas:
+            try:
+                results.append(queue.get(timeout=1.0))
+            except Empty:
+                dead = [(i, w.exitcode) for i, w in enumerate(workers) if w.exitcode not in (None, 0)]
+                if dead:  # the others would wait for it forever
+                    for w in workers:
+                        w.terminate()
+                    raise RuntimeError(f"calibration process {dead[0][0]} of {replicas} died (exit code "
+                                       f"{dead[0][1]}); its error is printed above") from None
+        for w in workers:
+            w.join()
+        samples = [s for _, _, measured in sorted(results, key=lambda r: r[0]) for s in measured]
+        device = results[0][1]
     fitted = FittedCostModel.fit([(f, t) for f, t, _ in samples],
-                                 machine=machine(model, dtype, runner.device, num_slots))
+                                 machine=machine(model, dtype, device, num_slots, replicas))
     return fitted, samples
+
+
+def _colocated_replica(index: int, barrier, finished, queue, model: str, num_slots: int, max_seq_len: int,
+                       dtype: str, device: str, seed: int, threads: int, cells: list[Cell], progress: bool) -> None:
+    """One of `calibrate(replicas=N)`'s processes: load, wait for the others, measure the grid,
+    then keep the machine as busy as a serving neighbour until every process has measured."""
+    import torch
+
+    from replica.model_runner import ModelRunner
+
+    torch.set_num_threads(threads)
+    runner = ModelRunner(model, num_slots, max_seq_len, dtype, device, seed)
+    barrier.wait()
+    samples = measure(runner, cells, max_seq_len, seed, progress)
+    queue.put((index, runner.device, samples))
+    with finished.get_lock():
+        finished.value += 1
+    tap = FeatureTap(runner)
+    while finished.value < barrier.parties:
+        run_cell(tap, cells[-1], max_seq_len, seed)
 
 
 def measure(runner: Runner, cells: list[Cell], max_seq_len: int, seed: int = 0, progress: bool = False,
@@ -161,6 +224,39 @@ def measure(runner: Runner, cells: list[Cell], max_seq_len: int, seed: int = 0, 
     return samples
 
 
+def samples_from_store(store_path: Path, run_ids: list[int]) -> tuple[list[tuple[StepFeatures, float, str]], dict]:
+    """The steps of real recorded runs as samples, and the machine they ran on (the first
+    run's, with what ran: model, dtype, threads, replicas, and which runs)."""
+    from cluster.store import MetricsStore
+
+    if not run_ids:
+        raise ConfigError("--from-store needs --runs: the ids of the real runs to fit to")
+    if not Path(store_path).is_file():
+        raise ConfigError(f"no metrics store at {store_path}")
+    store = MetricsStore(store_path)
+    try:
+        samples, runs = [], [store.run(run_id) for run_id in run_ids]
+        for run in runs:
+            if run["simulated"]:
+                raise ConfigError(f"run {run['run_id']} of {store_path} is simulated: a cost model is fitted to "
+                                  "real step times")
+            rows = store.steps(run["run_id"])
+            if not rows or any(r["context_tokens"] is None or r["duration"] is None for r in rows):
+                raise ConfigError(f"run {run['run_id']} of {store_path} has no steps with context tokens recorded "
+                                  "(runs stored before slotserve recorded them cannot calibrate)")
+            samples += [(f, r["duration"], _kind(f)) for r in rows for f in [StepFeatures.of_row(r)]]
+    finally:
+        store.close()
+    config = runs[0]["config"]
+    engine = config.get("engine") or config.get("replica", {}).get("engine", {})
+    machine = {**(runs[0]["machine"] or {}), "model": engine.get("model"), "dtype": engine.get("dtype"),
+               "device": engine.get("device"), "num_slots": engine.get("num_slots"),
+               "threads": config.get("torch_threads", config.get("num_cpus_per_replica")),
+               "replicas": config.get("num_replicas", 1), "calibrated": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "fitted_to": f"{store_path} runs {', '.join(map(str, run_ids))}"}
+    return samples, machine
+
+
 def format_fit(model: FittedCostModel, samples: list[tuple[StepFeatures, float, str]]) -> str:
     """The coefficients, the fit quality, and measured against predicted per kind of step."""
     q, m = model.quality, model.machine
@@ -168,7 +264,7 @@ def format_fit(model: FittedCostModel, samples: list[tuple[StepFeatures, float, 
              "c_prefill": ("per prefill token", 1e3, "ms"), "c_ctx": ("per attended context token", 1e6, "us"),
              "c_held": ("per padding row", 1e3, "ms")}
     lines = [f"cost model for {m.get('model')} ({m.get('dtype')}, {m.get('device')}) on {m.get('cpu')}, "
-             f"{m.get('threads')} torch threads",
+             f"{m.get('threads')} torch threads, {m.get('replicas', 1)} replica(s) side by side",
              f"step_time = c0 + c_decode*decode + c_prefill*prefill + c_ctx*context + c_held*padding  "
              f"(features: {', '.join(FEATURES)})"]
     lines += [f"  {name:<10}{getattr(model, name) * scale:>10.4f} {unit:<3} {what}"
@@ -189,15 +285,23 @@ def format_fit(model: FittedCostModel, samples: list[tuple[StepFeatures, float, 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
-    for name in ("slots", "threads"):
+    for name in ("slots", "threads", "replicas"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
-    torch.set_num_threads(args.threads)
     start = time.monotonic()
-    model, samples = calibrate(args.model, args.slots, args.dtype, args.device, args.quick, args.seed)
+    if args.from_store:
+        samples, machine = samples_from_store(args.from_store, args.runs)
+        model = FittedCostModel.fit([(f, t) for f, t, _ in samples], machine=machine)
+    else:
+        if args.runs:
+            raise ConfigError("--runs names recorded runs to fit to: pass --from-store with it")
+        torch.set_num_threads(args.threads)
+        model, samples = calibrate(args.model, args.slots, args.dtype, args.device, args.quick, args.seed,
+                                   replicas=args.replicas)
     model.save(args.out)
     print(format_fit(model, samples))
-    print(f"measured {len(samples)} steps in {time.monotonic() - start:.0f} s; saved {args.out}")
+    print(f"{'read' if args.from_store else 'measured'} {len(samples)} steps in {time.monotonic() - start:.0f} s; "
+          f"saved {args.out}")
     return 0
 
 
@@ -208,7 +312,9 @@ def add_calibrate_command(subparsers: argparse._SubParsersAction) -> None:
         description="Run the real engine on a grid of decode batch sizes, prefill chunk sizes and context lengths, "
                     "fit step time = c0 + c_decode*decode + c_prefill*prefill + c_ctx*context + c_held*padding "
                     "(non-negative least squares), print the fit and save it as JSON with this machine's "
-                    "description. About 2-3 minutes on SmolLM2-135M on 2 CPU cores; --quick under one.")
+                    "description. About 1.5 minutes on SmolLM2-135M on 2 CPU cores; --quick under one. "
+                    "With --from-store and --runs, fit to the steps real runs recorded instead (a cluster's "
+                    "serving steps, in its own conditions).")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="built-in model (smollm2-135m, gpt2-small-random) or a local Hugging Face directory")
     p.add_argument("--slots", type=int, default=8, help="largest decode batch measured (default: %(default)s)")
@@ -217,6 +323,12 @@ def add_calibrate_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads: a cluster replica runs as many as its Ray num_cpus, 1 by default "
                         "(default: %(default)s)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="measure this many replicas side by side, one process each (the step times of an N-replica "
+                        "cluster sharing this machine; default: %(default)s)")
+    p.add_argument("--from-store", type=Path, default=None, metavar="DB",
+                   help="fit to the recorded steps of real runs in this metrics store (with --runs); measures nothing")
+    p.add_argument("--runs", type=int, nargs="+", default=[], metavar="ID", help="the run ids for --from-store")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON file to write (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="a smaller grid (under a minute; a rougher fit)")
     p.add_argument("--seed", type=int, default=0)

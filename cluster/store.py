@@ -28,7 +28,8 @@ Schema (see `SCHEMA`; times are seconds on the writer's clock, `time.time()` in 
   `replica_id` is NULL for a request rejected before it reached a replica.
 - tokens: every output token's client-side arrival time, `idx` from 0.
 - steps: one row per engine step of a replica (replica clock): slots live and total, queue
-  depth, decode and prefill tokens, useful and computed rows, preemptions.
+  depth, decode and prefill tokens, attended context tokens, useful and computed rows,
+  preemptions (what `slotserve calibrate --from-store` fits a cost model to).
 - decisions: one row per routing decision: the policy, the replica picked, every replica's
   score and in-flight count (JSON objects keyed by replica id), and `signal_age`, the age of
   the oldest load report the decision used.
@@ -49,7 +50,9 @@ from cluster.metrics import RequestTrace
 from replica.errors import SlotServeError
 
 DEFAULT_STORE = Path("results/slotserve.db")
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# How a store of an older version is brought up to this one, step by step (version -> SQL).
+_MIGRATIONS = {1: "ALTER TABLE steps ADD COLUMN context_tokens INTEGER;"}
 END_STATUSES = ("complete", "failed", "aborted")
 
 SCHEMA = """
@@ -104,6 +107,7 @@ CREATE TABLE IF NOT EXISTS steps (
     queue_depth INTEGER,
     decode_tokens INTEGER,
     prefill_tokens INTEGER,
+    context_tokens INTEGER,          -- keys attended, summed over the step's rows
     useful_rows INTEGER,
     computed_rows INTEGER,
     preemptions INTEGER
@@ -129,7 +133,7 @@ _COLUMNS = {
                  "first_token", "completion", "prompt_len", "output_len", "max_tokens", "finish_reason", "error",
                  "num_preemptions"),
     "steps": ("replica_id", "step", "time", "duration", "live_slots", "num_slots", "queue_depth", "decode_tokens",
-              "prefill_tokens", "useful_rows", "computed_rows", "preemptions"),
+              "prefill_tokens", "context_tokens", "useful_rows", "computed_rows", "preemptions"),
     "decisions": ("request_id", "time", "policy", "replica_id", "scores", "signal_age", "in_flight"),
 }
 _REQUIRED = {
@@ -166,13 +170,25 @@ class MetricsStore:
             self.conn.execute("PRAGMA synchronous=NORMAL")
             self.conn.execute("PRAGMA foreign_keys=ON")
             version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-            if version == 0:  # a new file; an existing store is only read here, never locked
+            if version == 0:  # a new file; an existing store of this version is only read here, never locked
                 self.conn.executescript(f"BEGIN;\n{SCHEMA}\nPRAGMA user_version={SCHEMA_VERSION};\nCOMMIT;")
+            elif version in _MIGRATIONS:
+                self._migrate(version)
             elif version != SCHEMA_VERSION:
                 raise StoreError(f"{self.path} has store schema version {version}; this slotserve reads "
                                  f"version {SCHEMA_VERSION}")
         except sqlite3.DatabaseError as err:
             raise StoreError(f"cannot open {self.path} as a slotserve metrics store: {err}") from err
+
+    def _migrate(self, version: int) -> None:
+        """Bring an older store up to SCHEMA_VERSION: old rows keep NULL in the new columns."""
+        self.conn.execute("BEGIN IMMEDIATE")  # one migrating writer; a second opener waits, then sees it done
+        version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+        while version < SCHEMA_VERSION:
+            self.conn.execute(_MIGRATIONS[version])
+            version += 1
+            self.conn.execute(f"PRAGMA user_version={version}")
+        self.conn.execute("COMMIT")
 
     def close(self) -> None:
         self.conn.close()

@@ -72,6 +72,7 @@ class StepRecord:
     duration: float
     num_decode_tokens: int
     num_prefill_tokens: int
+    context_tokens: int  # keys attended, summed over rows (SchedulerOutput.context_tokens)
     live_slots: int
     useful_rows: int  # rows of unfinished requests
     computed_rows: int  # useful rows + padding rows of finished requests still in a static batch
@@ -202,7 +203,7 @@ class Engine:
         return StepRecord(
             step=next(self._steps), start=start, duration=self.clock.now() - start,
             num_decode_tokens=out.num_decode_tokens, num_prefill_tokens=out.num_prefill_tokens,
-            live_slots=live_slots, useful_rows=len(out.chunks), computed_rows=len(out.chunks) + len(out.held_rows),
+            context_tokens=out.context_tokens, live_slots=live_slots, useful_rows=len(out.chunks), computed_rows=len(out.chunks) + len(out.held_rows),
             num_preemptions=len(out.preempted), queue_depth=len(self.scheduler.waiting),
         )
 

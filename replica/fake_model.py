@@ -47,9 +47,7 @@ class StepFeatures:
     - decode_tokens, prefill_tokens: rows through the weight matrices (every row costs the
       same there, but a CPU runs small decode batches far from its FLOP roof, so the two
       kinds get separate coefficients);
-    - context_tokens: keys attended, summed over the step's rows: a row at position p sees
-      p + 1 keys, so a chunk of n tokens from position s adds n*s + n(n+1)/2 (the unpadded
-      attention work; it grows with context, unlike the weight reads);
+    - context_tokens: keys attended, summed over the step's rows (SchedulerOutput.context_tokens);
     - padding_rows: finished requests a static batch still computes (one row each, which
       also attends its whole context)."""
 
@@ -60,16 +58,14 @@ class StepFeatures:
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> StepFeatures:
-        decode = prefill = context = 0
-        for c in out.chunks:
-            n = c.num_tokens
-            if c.is_decode:
-                decode += n
-            else:
-                prefill += n
-            context += n * c.start + n * (n + 1) // 2
-        context += sum(r.num_computed_tokens for r in out.held_rows)
-        return cls(decode, prefill, context, len(out.held_rows))
+        return cls(out.num_decode_tokens, out.num_prefill_tokens, out.context_tokens, len(out.held_rows))
+
+    @classmethod
+    def of_row(cls, row: dict) -> StepFeatures:
+        """The features of a recorded step (a `steps` row of the metrics store): how a cost
+        model is fitted to real runs."""
+        return cls(row["decode_tokens"], row["prefill_tokens"], row["context_tokens"],
+                   row["computed_rows"] - row["useful_rows"])
 
 
 FEATURES = ("decode_tokens", "prefill_tokens", "context_tokens", "padding_rows")

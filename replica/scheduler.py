@@ -84,6 +84,15 @@ class SchedulerOutput:
     def num_prefill_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks if not c.is_decode)
 
+    @property
+    def context_tokens(self) -> int:
+        """Keys the step attends, summed over its rows: a row at position p sees p + 1 keys, so
+        a chunk of n tokens from position s adds n*s + n(n+1)/2, and a padding row of a static
+        batch its whole context. The attention work, which grows with context unlike the
+        weight reads; a cost model's feature."""
+        return sum(c.num_tokens * c.start + c.num_tokens * (c.num_tokens + 1) // 2 for c in self.chunks) \
+            + sum(r.num_computed_tokens for r in self.held_rows)
+
 
 class Scheduler:
     """Continuous batching with decodes and whole prompts in the same step (the `mixed` policy)."""

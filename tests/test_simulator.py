@@ -1,6 +1,6 @@
 """The discrete-event simulator (cluster/simulator.py), the cost models it runs on
 (replica/fake_model.py) and the calibration pipeline (cluster/calibrate.py). Everything runs on
-virtual time except the calibration test, which uses a fake runner with millisecond steps."""
+virtual time except the side-by-side calibration test, which times a tiny real model."""
 
 from __future__ import annotations
 
@@ -12,17 +12,18 @@ from dataclasses import astuple
 
 import pytest
 
-from cluster.calibrate import Cell, add_calibrate_command, grid, measure
+from cluster.calibrate import Cell, add_calibrate_command, calibrate, grid, measure
 from cluster.metrics import RequestTrace
 from cluster.replay import replay
 from cluster.report import analyze, format_report
 from cluster.simulator import SimulationConfig, Simulator, record_simulation, simulate
-from cluster.store import open_store
+from cluster.store import StoreError, open_store
 from replica import POLICIES, Engine, EngineConfig, FakeClock
 from replica.errors import ConfigError, InvariantViolation
 from replica.fake_model import FittedCostModel, FlatCostModel, ScriptedFakeRunner, StepFeatures
 from replica.request import Request, SamplingParams
 from replica.scheduler import ScheduledChunk, SchedulerOutput
+from replica.serving import step_row
 from router.router import Router
 from workloads.standard import bursty_mix, long_prompts, saturated
 from workloads.workload import ClosedLoop, Workload, WorkloadRequest
@@ -159,13 +160,15 @@ def test_same_seed_same_simulation():
 
 
 def test_steps_cost_what_the_cost_model_says():
-    """Each simulated step lasts the fitted model's prediction for that step's work."""
-    cost = FittedCostModel(c0=0.01, c_decode=0.002, c_prefill=0.0005, c_ctx=0.0, c_held=0.003)
+    """Each simulated step lasts the fitted model's prediction for that step's work, and its
+    record carries the context the model priced."""
+    cost = FittedCostModel(c0=0.01, c_decode=0.002, c_prefill=0.0005, c_ctx=1e-6, c_held=0.003)
     result = simulate(saturated(16), SimulationConfig(num_replicas=2, engine=engine_config("static")), cost)
     records = [r for steps in result.steps.values() for r in steps]
     assert any(r.computed_rows > r.useful_rows for r in records)  # static padding rows are priced
+    assert all(r.context_tokens >= r.num_decode_tokens + r.num_prefill_tokens for r in records)
     for r in records:
-        expected = 0.01 + 0.002 * r.num_decode_tokens + 0.0005 * r.num_prefill_tokens \
+        expected = 0.01 + 0.002 * r.num_decode_tokens + 0.0005 * r.num_prefill_tokens + 1e-6 * r.context_tokens \
             + 0.003 * (r.computed_rows - r.useful_rows)
         assert r.duration == pytest.approx(expected)
 
@@ -284,3 +287,83 @@ def test_calibrate_command_options():
     with pytest.raises(ConfigError, match="--threads"):
         args.func(parser.parse_args(["calibrate", "--threads", "0"]))
     assert Cell("chunked", 4, 64, 3, token_budget=32).label == "chunked B=4 L=64 budget 32"
+
+
+TRUE_COST = FittedCostModel(c0=0.09, c_decode=0.004, c_prefill=0.0028, c_ctx=3e-7, c_held=0.002)
+
+
+def record_as_real(store, policy: str, steps_context: bool = True) -> int:
+    """A run recorded as real whose steps the engine timed on a fake clock at TRUE_COST: the
+    rows a cluster's replicas write (`step_row`), of known durations."""
+    config = engine_config(policy)
+    result = simulate(long_prompts(24, rate=6.0, seed=3), SimulationConfig(num_replicas=2, engine=config), TRUE_COST)
+    run_id = store.begin_run(f"real-{policy}", {"replica": {"engine": config.model_dump()}, "num_replicas": 2,
+                                                "num_cpus_per_replica": 1}, policy, "least_loaded", 0)
+    rows = [step_row(replica, r, config.num_slots) for replica, records in result.steps.items() for r in records]
+    if not steps_context:  # as a store written before context tokens were recorded
+        rows = [{k: v for k, v in row.items() if k != "context_tokens"} for row in rows]
+    store.add_steps(run_id, rows)
+    store.end_run(run_id)
+    return run_id
+
+
+def test_calibrate_from_store_fits_the_recorded_steps(tmp_path, capsys):
+    """`slotserve calibrate --from-store DB --runs ...` fits to the steps runs recorded: the
+    coefficients that timed them come back, so every feature (context included) is read off
+    the rows right; the fit names the runs and how the cluster ran."""
+    db = tmp_path / "slotserve.db"
+    store = open_store(db)
+    runs = [record_as_real(store, "static"), record_as_real(store, "chunked")]
+    store.close()
+    parser = argparse.ArgumentParser()
+    add_calibrate_command(parser.add_subparsers())
+    out = tmp_path / "fit.json"
+    args = parser.parse_args(["calibrate", "--from-store", str(db), "--runs", *map(str, runs), "--out", str(out)])
+    assert args.func(args) == 0
+    fitted = FittedCostModel.load(out)
+    assert fitted.coefficients == pytest.approx(TRUE_COST.coefficients, rel=1e-3)
+    assert fitted.machine["fitted_to"] == f"{db} runs {runs[0]}, {runs[1]}"
+    assert (fitted.machine["replicas"], fitted.machine["threads"], fitted.machine["num_slots"]) == (2, 1, 4)
+    assert f"read {fitted.quality.num_fit + fitted.quality.num_heldout} steps" in capsys.readouterr().out
+
+
+def test_calibrate_from_store_refuses_what_cannot_calibrate(tmp_path):
+    """Simulated runs, runs recorded without context tokens, unknown runs, a missing store and
+    --runs without --from-store are errors that name the problem."""
+    db = tmp_path / "slotserve.db"
+    store = open_store(db)
+    simulated = record_simulation(store, simulate(saturated(8), SimulationConfig(engine=engine_config("chunked")),
+                                                  TRUE_COST))
+    old = record_as_real(store, "chunked", steps_context=False)
+    store.close()
+    parser = argparse.ArgumentParser()
+    add_calibrate_command(parser.add_subparsers())
+
+    def run(*argv: str) -> None:
+        args = parser.parse_args(["calibrate", *argv, "--out", str(tmp_path / "fit.json")])
+        args.func(args)
+
+    with pytest.raises(ConfigError, match=f"run {simulated} .* is simulated"):
+        run("--from-store", str(db), "--runs", str(simulated))
+    with pytest.raises(ConfigError, match=f"run {old} .* no steps with context tokens"):
+        run("--from-store", str(db), "--runs", str(old))
+    with pytest.raises(StoreError, match="999"):
+        run("--from-store", str(db), "--runs", "999")
+    with pytest.raises(ConfigError, match="no metrics store"):
+        run("--from-store", str(tmp_path / "missing.db"), "--runs", "1")
+    with pytest.raises(ConfigError, match="--from-store"):
+        run("--runs", str(old))
+    with pytest.raises(ConfigError, match="--runs"):
+        run("--from-store", str(db))
+    assert not (tmp_path / "fit.json").exists()
+
+
+def test_side_by_side_calibration_measures_every_replica(tiny_gpt2_dir):
+    """calibrate(replicas=2) runs the grid in two processes at once: twice the steps of one,
+    the same kinds, and the fit says how many replicas shared the machine."""
+    one, one_samples = calibrate(tiny_gpt2_dir, num_slots=2, quick=True, progress=False)
+    two, two_samples = calibrate(tiny_gpt2_dir, num_slots=2, quick=True, progress=False, replicas=2)
+    assert len(two_samples) == 2 * len(one_samples)
+    assert sorted(k for _, _, k in two_samples) == sorted(2 * [k for _, _, k in one_samples])
+    assert (one.machine["replicas"], two.machine["replicas"]) == (1, 2)
+    assert all(t > 0 for _, t, _ in two_samples)

@@ -79,6 +79,32 @@ def test_schema_round_trip(store, mixed_run):
     assert decision["scores"] == {"a": 0, "b": 1} and decision["signal_age"] == 0.02
 
 
+def test_a_store_of_the_previous_schema_is_migrated_in_place(tmp_path):
+    """A store written before steps recorded context tokens (schema 1) opens: its rows read as
+    before with context_tokens NULL, and new steps carry it."""
+    import sqlite3
+
+    from cluster.store import SCHEMA, SCHEMA_VERSION
+
+    path = tmp_path / "old.db"
+    old_schema = "\n".join(line for line in SCHEMA.splitlines() if "context_tokens" not in line)
+    conn = sqlite3.connect(path)
+    conn.executescript(f"{old_schema}\nPRAGMA user_version=1;")
+    conn.execute("INSERT INTO runs (name, started, status, batching_policy, routing_policy, seed, simulated) "
+                 "VALUES ('old', 0, 'complete', 'continuous', 'round_robin', 0, 0)")
+    conn.execute("INSERT INTO steps (run_id, replica_id, step, duration, decode_tokens) VALUES (1, 'a', 0, 0.1, 3)")
+    conn.commit()
+    conn.close()
+    store = open_store(path)
+    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    [old] = store.steps(1)
+    assert (old["decode_tokens"], old["context_tokens"]) == (3, None)
+    store.add_steps(1, [{**step("a", 1, 2, 2, 2), "context_tokens": 77}])
+    assert store.steps(1)[1]["context_tokens"] == 77
+    store.close()
+    assert open_store(path).steps(1)[1]["context_tokens"] == 77  # opening a migrated store again is a no-op
+
+
 def test_json_columns_take_dicts_or_json_text(store):
     """A JSON column given its text (as the router sends scores) is stored once, not encoded
     twice, so it reads back as the same dict; text that is not a JSON object is refused."""
