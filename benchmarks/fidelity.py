@@ -64,7 +64,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.calibrate import calibrate, grid, machine, measure, samples_from_store
+from cluster.calibrate import calibrate, calibrate_from_store, fit, grid, machine, measure
 from cluster.metrics import RequestTrace, summarize
 from cluster.replay import ReplayResult, replay
 from cluster.simulator import SimulationConfig, cost_description, record_simulation, simulate
@@ -229,11 +229,6 @@ def record_replay(store, name: str, config: EngineConfig, workload: Workload, re
     return run_id
 
 
-def fit_to_runs(store_path: Path, run_ids: list[int]) -> FittedCostModel:
-    samples, ran_on = samples_from_store(store_path, run_ids)
-    return FittedCostModel.fit([(f, t) for f, t, _ in samples], machine=ran_on)
-
-
 def cell_result(store, cell: Cell, config: EngineConfig, workload: Workload, real: list[dict[str, float]],
                 real_runs: list[int], costs: dict[str, FittedCostModel], seed: int) -> CellResult:
     """The real repeats' median and spread, and the cell simulated with every cost model."""
@@ -268,8 +263,7 @@ def run_batching(policies: list[str], num_requests: int, repeats: int, base: Eng
     if grid_cost is None:
         print("calibrating on the probe grid (1 replica)", flush=True)
         samples = measure(runner, probes, probe_len, seed, progress=True)
-        grid_cost = FittedCostModel.fit([(f, t) for f, t, _ in samples],
-                                        machine=machine(base.model, base.dtype, runner.device, SLOTS))
+        grid_cost = fit(samples, machine(base.model, base.dtype, runner.device, SLOTS))
     costs["grid"] = grid_cost
     store = open_store(store_path)
     try:
@@ -294,7 +288,7 @@ def run_batching(policies: list[str], num_requests: int, repeats: int, base: Eng
                 real[c].append(metrics(run.traces))
                 runs[c].append(record_replay(store, f"fidelity-{c.label}-real", configs[c.batching],
                                              workloads[c.group], run, extra))
-        costs["runs"] = fit_to_runs(store_path, calibration_runs)
+        costs["runs"] = calibrate_from_store(store_path, calibration_runs)[0]
         results = [cell_result(store, c, configs[c.batching], workloads[c.group], real[c], runs[c], costs, seed)
                    for c in cells]
     finally:
@@ -351,7 +345,7 @@ def run_routing(policies: list[str], num_requests: int, repeats: int, capacity: 
             stop_cluster()
     finally:
         ray.shutdown()
-    costs["runs"] = fit_to_runs(store_path, calibration_runs)
+    costs["runs"] = calibrate_from_store(store_path, calibration_runs)[0]
     store = MetricsStore(store_path)
     try:
         results = [cell_result(store, Cell("routing", base.policy, p, ROUTING_REPLICAS), base, workloads[seed],

@@ -184,9 +184,19 @@ def calibrate(model: str = DEFAULT_MODEL, num_slots: int = 8, dtype: str = "floa
             w.join()
         samples = [s for _, _, measured in sorted(results, key=lambda r: r[0]) for s in measured]
         device = results[0][1]
-    fitted = FittedCostModel.fit([(f, t) for f, t, _ in samples],
-                                 machine=machine(model, dtype, device, num_slots, replicas))
-    return fitted, samples
+    return fit(samples, machine(model, dtype, device, num_slots, replicas)), samples
+
+
+def fit(samples: list[tuple[StepFeatures, float, str]], ran_on: dict) -> FittedCostModel:
+    """The cost model fitted to (features, seconds, kind) samples, saved with where they ran."""
+    return FittedCostModel.fit([(f, t) for f, t, _ in samples], machine=ran_on)
+
+
+def calibrate_from_store(store_path: Path, run_ids: list[int]
+                         ) -> tuple[FittedCostModel, list[tuple[StepFeatures, float, str]]]:
+    """The cost model fitted to the recorded steps of real runs, and those samples."""
+    samples, ran_on = samples_from_store(store_path, run_ids)
+    return fit(samples, ran_on), samples
 
 
 def _colocated_replica(index: int, barrier, finished, queue, model: str, num_slots: int, max_seq_len: int,
@@ -290,8 +300,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
     start = time.monotonic()
     if args.from_store:
-        samples, machine = samples_from_store(args.from_store, args.runs)
-        model = FittedCostModel.fit([(f, t) for f, t, _ in samples], machine=machine)
+        model, samples = calibrate_from_store(args.from_store, args.runs)
     else:
         if args.runs:
             raise ConfigError("--runs names recorded runs to fit to: pass --from-store with it")

@@ -203,7 +203,8 @@ class Engine:
         return StepRecord(
             step=next(self._steps), start=start, duration=self.clock.now() - start,
             num_decode_tokens=out.num_decode_tokens, num_prefill_tokens=out.num_prefill_tokens,
-            context_tokens=out.context_tokens, live_slots=live_slots, useful_rows=len(out.chunks), computed_rows=len(out.chunks) + len(out.held_rows),
+            context_tokens=out.context_tokens, live_slots=live_slots, useful_rows=len(out.chunks),
+            computed_rows=len(out.chunks) + len(out.held_rows),
             num_preemptions=len(out.preempted), queue_depth=len(self.scheduler.waiting),
         )
 

@@ -72,7 +72,8 @@ def step_row(replica_id: str, record: StepRecord, num_slots: int) -> dict:
         "replica_id": replica_id, "step": record.step, "time": record.start, "duration": record.duration,
         "live_slots": record.live_slots, "num_slots": num_slots, "queue_depth": record.queue_depth,
         "decode_tokens": record.num_decode_tokens, "prefill_tokens": record.num_prefill_tokens,
-        "context_tokens": record.context_tokens, "useful_rows": record.useful_rows, "computed_rows": record.computed_rows,
+        "context_tokens": record.context_tokens, "useful_rows": record.useful_rows,
+        "computed_rows": record.computed_rows,
         "preemptions": record.num_preemptions,
     }
 
