@@ -27,6 +27,8 @@ run: setup
 	$(VENV)/bin/slotserve run --workload bursty-mix --requests 24 --replicas 2 --routing least_loaded round_robin --report
 
 test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
 
 bench: setup

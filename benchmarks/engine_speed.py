@@ -7,10 +7,10 @@ decode step) on this machine: the same as `slotserve bench`, as a script CI does
 import argparse
 import sys
 
-from cluster.bench import add_bench_command
+from cli.bench import add_parser
 
 if __name__ == "__main__":  # the rows run in spawned processes, which import this file
     parser = argparse.ArgumentParser(prog="engine_speed.py")
-    add_bench_command(parser.add_subparsers(dest="command"))
+    add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", *sys.argv[1:]])
     sys.exit(args.func(args))

@@ -1,3 +1,4 @@
+# Over 400 lines: one probe script (peak FLOP/s, bandwidth, roofline, decode sweep) writing one page.
 """Measure what this machine can do, what that predicts for the default model, and what the
 engine actually gets; print it and write HARDWARE.md.
 
@@ -26,7 +27,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from replica.engine import Engine, EngineConfig
+from replica.config import EngineConfig
+from replica.engine import Engine
 from replica.model_runner import ModelRunner
 
 MODEL = "smollm2-135m"
@@ -36,15 +38,23 @@ PROMPT_LEN = 64
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")
 
 
-def machine() -> dict:
+def this_machine() -> dict:
     """CPU model, vector extensions, cores, threads, memory: what the numbers belong to."""
     info = Path("/proc/cpuinfo").read_text()
-    cpu = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")), "unknown")
-    flags = set(next((l.split(":", 1)[1].split() for l in info.splitlines() if l.startswith("flags")), []))
-    mem_kb = next(int(l.split()[1]) for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal"))
-    return {"cpu": cpu, "isa": " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags),
-            "cores": os.cpu_count(), "threads": torch.get_num_threads(), "mem_gib": mem_kb / 2**20,
-            "torch": torch.__version__, "python": platform.python_version()}
+    cpu = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "unknown")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
+    mem_kb = next(
+        int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")
+    )
+    return {
+        "cpu": cpu,
+        "isa": " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "mem_gib": mem_kb / 2**20,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def cpu_snapshot() -> tuple[float, float, float]:
@@ -91,8 +101,10 @@ def bandwidth(nbytes: int, reps: int) -> dict[str, float]:
     counted) and of summing it (read only, like a decode step streaming the weights)."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    return {"copy": 2 * nbytes / min(timed(lambda: dst.copy_(src), 2, reps)),
-            "read": nbytes / min(timed(lambda: src.sum(), 2, reps))}
+    return {
+        "copy": 2 * nbytes / min(timed(lambda: dst.copy_(src), 2, reps)),
+        "read": nbytes / min(timed(lambda: src.sum(), 2, reps)),
+    }
 
 
 def decode_sweep_point(runner: ModelRunner, batch: int, max_tokens: int, profile_steps: int) -> dict:
@@ -101,16 +113,22 @@ def decode_sweep_point(runner: ModelRunner, batch: int, max_tokens: int, profile
     median after 2 warmups is kept; then `profile_steps` more decodes run under torch.profiler."""
     engine = Engine(EngineConfig(policy="mixed", num_slots=batch, max_seq_len=256), runner=runner)
     for i in range(batch):
-        engine.add_request([100 + (7 * i + j) % 5000 for j in range(PROMPT_LEN)],
-                           {"max_tokens": max_tokens + profile_steps, "ignore_eos": True})
+        engine.add_request(
+            [100 + (7 * i + j) % 5000 for j in range(PROMPT_LEN)],
+            {"max_tokens": max_tokens + profile_steps, "ignore_eos": True},
+        )
     first = engine.step().record
     assert first.num_prefill_tokens == batch * PROMPT_LEN, first
     records = [engine.step().record for _ in range(max_tokens - 1)]
     assert all(r.num_prefill_tokens == 0 and r.num_decode_tokens == batch for r in records)
     times = [r.duration for r in records[2:]]
     q = statistics.quantiles(times, n=4)
-    out = {"batch": batch, "step": statistics.median(times), "spread": (q[2] - q[0]) / statistics.median(times),
-           "prefill": (first.num_prefill_tokens, first.duration)}
+    out = {
+        "batch": batch,
+        "step": statistics.median(times),
+        "spread": (q[2] - q[0]) / statistics.median(times),
+        "prefill": (first.num_prefill_tokens, first.duration),
+    }
     if profile_steps:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(profile_steps):
@@ -158,20 +176,37 @@ def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
     for batch in (8, 64):
         engine = Engine(EngineConfig(policy="mixed", num_slots=batch, max_seq_len=256), runner=runner)
         for i in range(batch):
-            engine.add_request([100 + (7 * i + j) % 5000 for j in range(PROMPT_LEN)],
-                               {"max_tokens": 4 * reps + 10, "ignore_eos": True})
+            engine.add_request(
+                [100 + (7 * i + j) % 5000 for j in range(PROMPT_LEN)], {"max_tokens": 4 * reps + 10, "ignore_eos": True}
+            )
         engine.step()
-        t = in_turns({"plain": _with(lambda: setattr(runner, "model", plain), engine.step),
-                      "packed": _with(lambda: setattr(runner, "model", packed), engine.step)}, reps)
-        rows.append({"what": f"prepacked oneDNN matrices (decode step, B={batch})", "without": t["plain"],
-                     "with": t["packed"]})
+        t = in_turns(
+            {
+                "plain": _with(lambda: setattr(runner, "model", plain), engine.step),
+                "packed": _with(lambda: setattr(runner, "model", packed), engine.step),
+            },
+            reps,
+        )
+        rows.append(
+            {"what": f"prepacked oneDNN matrices (decode step, B={batch})", "without": t["plain"], "with": t["packed"]}
+        )
         if batch == 64:
             threads = torch.get_num_threads()
             if threads > 1:
-                t = in_turns({"1": _with(lambda: torch.set_num_threads(1), engine.step),
-                              "n": _with(lambda: torch.set_num_threads(threads), engine.step)}, reps)
-                rows.append({"what": f"{threads} torch threads instead of 1 (decode step, B=64)", "without": t["1"],
-                             "with": t["n"]})
+                t = in_turns(
+                    {
+                        "1": _with(lambda: torch.set_num_threads(1), engine.step),
+                        "n": _with(lambda: torch.set_num_threads(threads), engine.step),
+                    },
+                    reps,
+                )
+                rows.append(
+                    {
+                        "what": f"{threads} torch threads instead of 1 (decode step, B=64)",
+                        "without": t["1"],
+                        "with": t["n"],
+                    }
+                )
             torch.set_num_threads(threads)
         runner.model = packed
         while engine.has_unfinished:
@@ -183,15 +218,19 @@ def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
         parts = [Linear(torch.randn(n, s.hidden_size)) for n in outs]
         fused = Linear(torch.randn(sum(outs), s.hidden_size))
         t = in_turns({"separate": lambda: [p(x) for p in parts], "fused": lambda: fused(x)}, reps * 4)
-        rows.append({"what": f"fused {name} projection (one layer, 64 rows)", "without": t["separate"],
-                     "with": t["fused"]})
+        rows.append(
+            {"what": f"fused {name} projection (one layer, 64 rows)", "without": t["separate"], "with": t["fused"]}
+        )
     # Attention at B=64, context 100: one SDPA call over the padded slot range, or one per sequence.
     kc, vc = (torch.randn(64, s.num_kv_heads, 256, s.head_dim) for _ in range(2))
     qs = torch.randn(64, s.num_heads, s.head_dim)
     q_per_kv = s.num_heads // s.num_kv_heads
     positions = [60 + (7 * i) % 80 for i in range(64)]
-    meta = AttentionMetadata(torch.arange(64), [build_group(list(range(64)), list(range(64)), [0] * 64, positions,
-                                                            q_per_kv, "cpu")], q_per_kv)
+    meta = AttentionMetadata(
+        torch.arange(64),
+        [build_group(list(range(64)), list(range(64)), [0] * 64, positions, q_per_kv, "cpu")],
+        q_per_kv,
+    )
 
     def per_sequence():
         for i, p in enumerate(positions):
@@ -199,8 +238,13 @@ def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
             torch.nn.functional.scaled_dot_product_attention(qi, kc[i, :, : p + 1], vc[i, :, : p + 1])
 
     t = in_turns({"loop": per_sequence, "batched": lambda: slot_attention(qs, kc, vc, meta)}, reps * 4)
-    rows.append({"what": "batched attention, one call per group (one layer, B=64, context 60-140)",
-                 "without": t["loop"], "with": t["batched"]})
+    rows.append(
+        {
+            "what": "batched attention, one call per group (one layer, B=64, context 60-140)",
+            "without": t["loop"],
+            "with": t["batched"],
+        }
+    )
     return rows
 
 
@@ -213,8 +257,7 @@ def knee(rows: list[dict]) -> tuple[int, int | None]:
     return rows[-1]["batch"], None
 
 
-def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], args, load: float,
-           others: float) -> str:
+def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], args, load: float, others: float) -> str:
     """HARDWARE.md as markdown."""
     fp32, bf16, bw = hw["fp32"], hw["bf16"], hw["bw"]
     k, after = knee(rows)
@@ -222,30 +265,40 @@ def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], ar
     pf_tokens, pf_time = rows[-1]["prefill"]
     no_bf16 = not {"avx512_bf16", "amx_bf16"} & set(m["isa"].split())
     lines = [
-        "# Hardware: what this machine allows, and what slotserve gets", "",
+        "# Hardware: what this machine allows, and what slotserve gets",
+        "",
         f"Written by `benchmarks/hardware.py`{' --quick' if args.quick else ''}. Rerun: "
         "`.venv/bin/python benchmarks/hardware.py [--out HARDWARE.md] [--quick] [--threads N]` (~2 minutes).",
         f"Before the run the 1-minute load average was {load:.2f}; during it other processes kept {others:.0%} "
-        "of the cores busy" + (" (**disturbed: numbers may be low**)." if others > 0.05 else "."), "",
-        "## This machine", "",
+        "of the cores busy" + (" (**disturbed: numbers may be low**)." if others > 0.05 else "."),
+        "",
+        "## This machine",
+        "",
         f"- CPU: {m['cpu']}; vector extensions: {m['isa']}",
         f"- cores: {m['cores']} (`os.cpu_count()`); torch threads: {m['threads']} (`torch.get_num_threads()`)",
         f"- memory: {m['mem_gib']:.1f} GiB; torch {m['torch']}, Python {m['python']}",
         "- threads: in a plain process torch uses one thread per core. Inside a Ray actor, Ray sets "
         "`OMP_NUM_THREADS` to the actor's `num_cpus`, so torch uses that many threads (1 at `num_cpus=1`): a "
-        "replica's speed depends on what it asks Ray for. `--threads N` reruns all of this with N threads.", "",
-        "## Measured roofs (best of several reps; median in brackets)", "",
+        "replica's speed depends on what it asks Ray for. `--threads N` reruns all of this with N threads.",
+        "",
+        "## Measured roofs (best of several reps; median in brackets)",
+        "",
         f"- fp32 matrix product ({fp32[2]}x{fp32[2]}): **{fp32[0] / 1e9:.0f} GFLOP/s** ({fp32[1] / 1e9:.0f})",
         f"- bf16 matrix product ({bf16[2]}x{bf16[2]}): **{bf16[0] / 1e9:.1f} GFLOP/s** ({bf16[1] / 1e9:.1f})"
-        + (": no AVX-512 BF16 / AMX here, so bf16 takes a slow path; use `dtype=\"float32\"` on this machine"
-           if no_bf16 else ""),
+        + (
+            ': no AVX-512 BF16 / AMX here, so bf16 takes a slow path; use `dtype="float32"` on this machine'
+            if no_bf16
+            else ""
+        ),
         f"- memory, {args.mib} MiB: copy **{bw['copy'] / 1e9:.1f} GB/s** (read + write bytes counted), "
         f"read-only (sum) {bw['read'] / 1e9:.1f} GB/s",
         f"- ridge point = fp32 FLOP/s / copy bytes/s = **{pred['ridge']:.1f} FLOP/byte**: work doing fewer FLOPs "
-        "per byte it moves is memory-bound", "",
-        "## What they predict for the default model (SmolLM2-135M-Instruct, fp32)", "",
-        f"- weights per token P = {pred['P'] / 1e6:.1f} M (all matrix products, incl. the {pred['lm_head'] / 1e6:.1f} M "
-        f"lm_head); weight bytes 4P = {4 * pred['P'] / 1e6:.0f} MB",
+        "per byte it moves is memory-bound",
+        "",
+        "## What they predict for the default model (SmolLM2-135M-Instruct, fp32)",
+        "",
+        f"- weights per token P = {pred['P'] / 1e6:.1f} M (all matrix products, "
+        f"incl. the {pred['lm_head'] / 1e6:.1f} M lm_head); weight bytes 4P = {4 * pred['P'] / 1e6:.0f} MB",
         f"- FLOPs per token 2P = {2 * pred['P'] / 1e6:.0f} MFLOP (attention adds {pred['attn_flops'] / 1e6:.1f} "
         f"MFLOP at context {pred['ctx']}: ignored)",
         "- a decode step at batch B does 2PB FLOP while reading 4P bytes of weights: intensity **B/2 FLOP/byte**, so "
@@ -254,56 +307,82 @@ def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], ar
         f"at batch 1 the memory roof copy bandwidth / 4P = **{pred['mem_tps']:.0f} tokens/s** "
         f"({4e3 * pred['P'] / bw['copy']:.0f} ms per step)",
         f"- the K/V cache adds {pred['kv_per_token'] / 1e3:.0f} KB read per sequence per token of context "
-        f"({64 * pred['ctx'] * pred['kv_per_token'] / 1e6:.0f} MB per step at B=64, context {pred['ctx']})", "",
-        "## Decode step time against batch size (the real engine)", "",
-        f"`Engine(EngineConfig(policy=\"mixed\", num_slots=B), runner=...)` on one shared 64-slot `ModelRunner`: B "
+        f"({64 * pred['ctx'] * pred['kv_per_token'] / 1e6:.0f} MB per step at B=64, context {pred['ctx']})",
+        "",
+        "## Decode step time against batch size (the real engine)",
+        "",
+        f'`Engine(EngineConfig(policy="mixed", num_slots=B), runner=...)` on one shared 64-slot `ModelRunner`: B '
         f"requests with distinct {PROMPT_LEN}-token prompts and `ignore_eos`, prefilled together in the first step; "
         f"median of the {args.max_tokens - 3} pure decode steps after 2 warmups (context {PROMPT_LEN + 3}-"
         f"{PROMPT_LEN + args.max_tokens - 1}). A step's time is the engine's own record: scheduling, the forward "
-        "pass and sampling.", "",
+        "pass and sampling.",
+        "",
         "| B | step ms | spread | tokens/s | x prev | GFLOP/s | % fp32 peak | roofline ms | % of roofline |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for prev, r in zip([None] + rows, rows):
-        lines.append(f"| {r['batch']} | {r['step'] * 1e3:.1f} | {r['spread']:.0%} | {r['tps']:.0f} | "
-                     + (f"{r['tps'] / prev['tps']:.2f}" if prev else "-")
-                     + f" | {r['flops'] / 1e9:.1f} | {r['flops'] / fp32[0]:.0%} | {r['roof'] * 1e3:.1f} | "
-                     f"{r['roof'] / r['step']:.0%} |")
+        lines.append(
+            f"| {r['batch']} | {r['step'] * 1e3:.1f} | {r['spread']:.0%} | {r['tps']:.0f} | "
+            + (f"{r['tps'] / prev['tps']:.2f}" if prev else "-")
+            + f" | {r['flops'] / 1e9:.1f} | {r['flops'] / fp32[0]:.0%} | {r['roof'] * 1e3:.1f} | "
+            f"{r['roof'] / r['step']:.0%} |"
+        )
     lines += [
-        "", "spread = interquartile range / median of the decode steps. GFLOP/s counts 2P per token. roofline ms = "
-        "max(2PB / fp32 FLOP/s, (4P + K/V bytes) / copy bandwidth), the fastest the step could be.", "",
+        "",
+        "spread = interquartile range / median of the decode steps. GFLOP/s counts 2P per token. roofline ms = "
+        "max(2PB / fp32 FLOP/s, (4P + K/V bytes) / copy bandwidth), the fastest the step could be.",
+        "",
         f"**Knee: B = {k}.** Definition: counting from B=2, the largest B up to which every doubling of B still gained "
         "at least 1.5x tokens/s (nearly linear growth)"
-        + (f"; doubling to {after} gained {rows[BATCHES.index(after)]['tps'] / rows[BATCHES.index(k)]['tps']:.2f}x."
-           if after else "; no doubling measured fell below.")
+        + (
+            f"; doubling to {after} gained {rows[BATCHES.index(after)]['tps'] / rows[BATCHES.index(k)]['tps']:.2f}x."
+            if after
+            else "; no doubling measured fell below."
+        )
         + f" B=1 is left out of the count: going from 1 to 2 gained {rows[1]['tps'] / rows[0]['tps']:.2f}x."
-        + (f" Doublings to B = {', '.join(map(str, close))} gained within 10% of 1.5x: given the noise above, the "
-           "knee can move by a doubling between runs." if close else ""),
+        + (
+            f" Doublings to B = {', '.join(map(str, close))} gained within 10% of 1.5x: given the noise above, the "
+            "knee can move by a doubling between runs."
+            if close
+            else ""
+        ),
         f"Prefill for comparison: {pf_tokens} prompt tokens in one step took {pf_time:.2f} s = "
-        f"{pf_tokens / pf_time:.0f} tokens/s = {2 * pred['P'] * pf_tokens / pf_time / 1e9:.0f} GFLOP/s.", "",
-        "## Per-sequence loops", "",
+        f"{pf_tokens / pf_time:.0f} tokens/s = {2 * pred['P'] * pf_tokens / pf_time / 1e9:.0f} GFLOP/s.",
+        "",
+        "## Per-sequence loops",
+        "",
         "`replica/attention.py` runs attention per group (one for single-token rows, one for multi-token prefill "
         "chunks), each group one `scaled_dot_product_attention` call over a padded slot range: no per-sequence "
-        "Python loop remains in the forward pass. Where a decode step's time goes (torch.profiler, self CPU time):", "",
+        "Python loop remains in the forward pass. Where a decode step's time goes (torch.profiler, self CPU time):",
+        "",
     ]
     for r in rows:
         if "top_ops" in r:
             ops = ", ".join(f"`{name}` {ms:.1f}" for name, ms in r["top_ops"])
             mm_s = r["mm_ms"] / 1e3
-            lines.append(f"- B={r['batch']}: matrix products (`mm`, `addmm`, `bmm`, `_linear_pointwise`) "
-                         f"{r['mm_share']:.0%}, in which the "
-                         f"weights stream at {4 * pred['P'] / mm_s / 1e9:.1f} GB/s and the arithmetic runs at "
-                         f"{2 * pred['P'] * r['batch'] / mm_s / 1e9:.0f} GFLOP/s; top ops, ms per step: {ops}")
+            lines.append(
+                f"- B={r['batch']}: matrix products (`mm`, `addmm`, `bmm`, `_linear_pointwise`) "
+                f"{r['mm_share']:.0%}, in which the "
+                f"weights stream at {4 * pred['P'] / mm_s / 1e9:.1f} GB/s and the arithmetic runs at "
+                f"{2 * pred['P'] * r['batch'] / mm_s / 1e9:.0f} GFLOP/s; top ops, ms per step: {ops}"
+            )
     lines += [
-        "", "## What each optimisation bought", "",
+        "",
+        "## What each optimisation bought",
+        "",
         "Each measured against its absence in the same run, in turns (median of several; `optimisations()` in "
-        "`benchmarks/hardware.py`). Kept: all of these.", "",
-        "| optimisation | without ms | with ms | speedup |", "|---|---:|---:|---:|",
+        "`benchmarks/hardware.py`). Kept: all of these.",
+        "",
+        "| optimisation | without ms | with ms | speedup |",
+        "|---|---:|---:|---:|",
     ]
-    lines += [f"| {o['what']} | {o['without'] * 1e3:.2f} | {o['with'] * 1e3:.2f} | {o['without'] / o['with']:.2f}x |"
-              for o in opts]
     lines += [
-        "", "Not kept or not tried: bf16 (no AVX-512 BF16 or AMX here, see the roofs above; oneDNN refuses to pack "
+        f"| {o['what']} | {o['without'] * 1e3:.2f} | {o['with'] * 1e3:.2f} | {o['without'] / o['with']:.2f}x |"
+        for o in opts
+    ]
+    lines += [
+        "",
+        "Not kept or not tried: bf16 (no AVX-512 BF16 or AMX here, see the roofs above; oneDNN refuses to pack "
         "bf16 weights without them); `torch.compile` of the step (not measured: every step has a different "
         "number of rows and context lengths, so it would recompile or run with dynamic shapes, and compiling "
         "on two cores takes minutes; the prepacked oneDNN matrices are what its CPU freezing pass would pick).",
@@ -315,7 +394,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="HARDWARE.md", help="markdown file to write (default: HARDWARE.md)")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and decode steps (noisier)")
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads(N) first, e.g. to match a Ray actor's num_cpus")
+    parser.add_argument(
+        "--threads", type=int, help="torch.set_num_threads(N) first, e.g. to match a Ray actor's num_cpus"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -326,23 +407,39 @@ def main() -> None:
     if load > 1.0:
         print(f"WARNING: 1-minute load average is {load:.2f}: another process may be using the cores")
     snap = cpu_snapshot()
-    m = machine()
-    print(f"{m['cpu']} ({m['isa']}): {m['cores']} cores, {m['threads']} torch threads, {m['mem_gib']:.1f} GiB, "
-          f"torch {m['torch']}")
-    hw = {"fp32": matmul_flops(torch.float32, 2048, reps), "bf16": matmul_flops(torch.bfloat16, 2048, reps),
-          "bw": bandwidth(args.mib * 2**20, 2 * reps)}
-    print(f"fp32 {hw['fp32'][0] / 1e9:.0f} GFLOP/s, bf16 {hw['bf16'][0] / 1e9:.1f} GFLOP/s, "
-          f"copy {hw['bw']['copy'] / 1e9:.1f} GB/s, read {hw['bw']['read'] / 1e9:.1f} GB/s")
+    m = this_machine()
+    print(
+        f"{m['cpu']} ({m['isa']}): {m['cores']} cores, {m['threads']} torch threads, {m['mem_gib']:.1f} GiB, "
+        f"torch {m['torch']}"
+    )
+    hw = {
+        "fp32": matmul_flops(torch.float32, 2048, reps),
+        "bf16": matmul_flops(torch.bfloat16, 2048, reps),
+        "bw": bandwidth(args.mib * 2**20, 2 * reps),
+    }
+    print(
+        f"fp32 {hw['fp32'][0] / 1e9:.0f} GFLOP/s, bf16 {hw['bf16'][0] / 1e9:.1f} GFLOP/s, "
+        f"copy {hw['bw']['copy'] / 1e9:.1f} GB/s, read {hw['bw']['read'] / 1e9:.1f} GB/s"
+    )
 
-    runner = ModelRunner(MODEL, num_slots=max(BATCHES), max_seq_len=256)
+    runner = ModelRunner(EngineConfig(model=MODEL, num_slots=max(BATCHES), max_seq_len=256))
     s, P = runner.model.shape, runner.model.shape.num_params_per_token
     ctx = PROMPT_LEN + args.max_tokens // 2
-    pred = {"P": P, "lm_head": s.vocab_size * s.hidden_size, "ctx": ctx, "kv_per_token": runner.cache.bytes_per_token,
-            "attn_flops": 4 * s.num_layers * s.num_heads * s.head_dim * ctx, "ridge": hw["fp32"][0] / hw["bw"]["copy"],
-            "compute_tps": hw["fp32"][0] / (2 * P), "mem_tps": hw["bw"]["copy"] / (4 * P)}
-    print(f"P = {P / 1e6:.1f} M weights per token; ridge {pred['ridge']:.1f} FLOP/byte, so decode is compute-bound "
-          f"from B ~ {2 * pred['ridge']:.0f}; roofs {pred['compute_tps']:.0f} tok/s (compute), "
-          f"{pred['mem_tps']:.0f} tok/s (memory, B=1)")
+    pred = {
+        "P": P,
+        "lm_head": s.vocab_size * s.hidden_size,
+        "ctx": ctx,
+        "kv_per_token": runner.cache.bytes_per_token,
+        "attn_flops": 4 * s.num_layers * s.num_heads * s.head_dim * ctx,
+        "ridge": hw["fp32"][0] / hw["bw"]["copy"],
+        "compute_tps": hw["fp32"][0] / (2 * P),
+        "mem_tps": hw["bw"]["copy"] / (4 * P),
+    }
+    print(
+        f"P = {P / 1e6:.1f} M weights per token; ridge {pred['ridge']:.1f} FLOP/byte, so decode is compute-bound "
+        f"from B ~ {2 * pred['ridge']:.0f}; roofs {pred['compute_tps']:.0f} tok/s (compute), "
+        f"{pred['mem_tps']:.0f} tok/s (memory, B=1)"
+    )
 
     rows = []
     for batch in BATCHES:
@@ -350,9 +447,11 @@ def main() -> None:
         r["tps"], r["flops"] = batch / r["step"], 2 * P * batch / r["step"]
         r["roof"] = max(2 * P * batch / hw["fp32"][0], (4 * P + batch * ctx * pred["kv_per_token"]) / hw["bw"]["copy"])
         rows.append(r)
-        print(f"B={batch:3d}: {r['step'] * 1e3:7.1f} ms/step (spread {r['spread']:.0%}), {r['tps']:5.0f} tok/s, "
-              f"{r['flops'] / 1e9:5.1f} GFLOP/s, roofline {r['roof'] * 1e3:.1f} ms"
-              + (f"; matrix products {r['mm_share']:.0%} of profiled CPU time" if "mm_share" in r else ""))
+        print(
+            f"B={batch:3d}: {r['step'] * 1e3:7.1f} ms/step (spread {r['spread']:.0%}), {r['tps']:5.0f} tok/s, "
+            f"{r['flops'] / 1e9:5.1f} GFLOP/s, roofline {r['roof'] * 1e3:.1f} ms"
+            + (f"; matrix products {r['mm_share']:.0%} of profiled CPU time" if "mm_share" in r else "")
+        )
     print(f"knee: B = {knee(rows)[0]}")
     opts = optimisations(runner, reps=4 if args.quick else 8)
     for o in opts:

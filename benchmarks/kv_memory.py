@@ -26,13 +26,13 @@ import argparse
 import json
 from dataclasses import asdict, dataclass
 
-from cluster.metrics import summarize
-from cluster.replay import replay
-from replica import Engine, EngineConfig, FakeClock, WallClock
-from replica.clock import Clock
+from metrics.definitions import summarize
+from protocol.clock import Clock, FakeClock, WallClock
+from replica import Engine, EngineConfig
 from replica.engine import Runner, StepResult
 from replica.fake_model import ScriptedFakeRunner
 from replica.model_loader import DEFAULT_MODEL
+from sim.replay import replay
 from workloads.standard import bursty_mix
 
 MAX_SEQ_LEN = 512
@@ -80,20 +80,35 @@ def configs(args: argparse.Namespace) -> dict[str, EngineConfig]:
 
 def run_arm(config: EngineConfig, runner: Runner, clock: Clock, requests: int, rate: float, model: str) -> Arm:
     engine = MeasuredEngine(config, runner, clock)
-    result = replay(engine, bursty_mix(num_requests=requests, rate=rate), progress=model != "fake",
-                    desc=f"{model} {config.kv_cache}")
+    result = replay(
+        engine,
+        bursty_mix(num_requests=requests, rate=rate),
+        progress=model != "fake",
+        desc=f"{model} {config.kv_cache}",
+    )
     weights, reserved, used, live = zip(*engine.samples)
-    unused = sum(w * (r - u) for w, r, u in zip(weights, reserved, used)) / sum(w * r for w, r in zip(weights, reserved))
+    unused = sum(w * (r - u) for w, r, u in zip(weights, reserved, used)) / sum(
+        w * r for w, r in zip(weights, reserved)
+    )
     summary = summarize(result.traces)
-    return Arm(config.kv_cache, model, config.num_slots, requests, len(engine.samples), unused,
-               sum(live) / len(live), max(live), summary.throughput, summary.num_preemptions)
+    return Arm(
+        config.kv_cache,
+        model,
+        config.num_slots,
+        requests,
+        len(engine.samples),
+        unused,
+        sum(live) / len(live),
+        max(live),
+        summary.throughput,
+        summary.num_preemptions,
+    )
 
 
 def real_runner(config: EngineConfig) -> Runner:
     from replica.model_runner import ModelRunner  # torch only for part 2
 
-    return ModelRunner(DEFAULT_MODEL, config.num_slots, config.max_seq_len, kv_cache=config.kv_cache,
-                       block_size=config.block_size, num_blocks=config.num_blocks)
+    return ModelRunner(config.model_copy(update={"model": DEFAULT_MODEL}))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -111,27 +126,40 @@ def main(argv: list[str] | None = None) -> list[dict]:
     arms = []
     for config in configs(args).values():
         clock = FakeClock()
-        arms.append(run_arm(config, ScriptedFakeRunner(clock, max_model_len=MAX_SEQ_LEN), clock, args.requests,
-                            args.rate, "fake"))
+        arms.append(
+            run_arm(
+                config, ScriptedFakeRunner(clock, max_model_len=MAX_SEQ_LEN), clock, args.requests, args.rate, "fake"
+            )
+        )
     if args.real_requests:
         for config in configs(args).values():
             arms.append(run_arm(config, real_runner(config), WallClock(), args.real_requests, args.rate, DEFAULT_MODEL))
 
-    print(f"bursty-mix at base rate {args.rate}/s (saturating), policy {args.policy}, K/V budget {args.budget} tokens "
-          f"(slot: {args.budget // MAX_SEQ_LEN} slots x {MAX_SEQ_LEN}; paged: {args.budget // args.block_size} blocks "
-          f"x {args.block_size}, up to {args.paged_slots} sequences)")
-    print("fake = flat-cost fake model on a virtual clock (throughput in tokens per virtual second: it counts steps); "
-          f"{DEFAULT_MODEL} = the real model on the wall clock")
-    header = f"{'model':>14} {'cache':>6} {'reqs':>5} {'steps':>6} {'unused K/V':>10} {'mean live':>9} {'max live':>8} " \
-             f"{'tokens/s':>9} {'preempt':>7}"
+    print(
+        f"bursty-mix at base rate {args.rate}/s (saturating), policy {args.policy}, K/V budget {args.budget} tokens "
+        f"(slot: {args.budget // MAX_SEQ_LEN} slots x {MAX_SEQ_LEN}; paged: {args.budget // args.block_size} blocks "
+        f"x {args.block_size}, up to {args.paged_slots} sequences)"
+    )
+    print(
+        "fake = flat-cost fake model on a virtual clock (throughput in tokens per virtual second: it counts steps); "
+        f"{DEFAULT_MODEL} = the real model on the wall clock"
+    )
+    header = (
+        f"{'model':>14} {'cache':>6} {'reqs':>5} {'steps':>6} {'unused K/V':>10} {'mean live':>9} {'max live':>8} "
+        f"{'tokens/s':>9} {'preempt':>7}"
+    )
     print(header)
     for a in arms:
-        print(f"{a.model:>14} {a.cache:>6} {a.requests:>5} {a.steps:>6} {a.unused_share:>10.1%} {a.mean_live:>9.1f} "
-              f"{a.max_live:>8} {a.throughput:>9.1f} {a.preemptions:>7}")
+        print(
+            f"{a.model:>14} {a.cache:>6} {a.requests:>5} {a.steps:>6} {a.unused_share:>10.1%} {a.mean_live:>9.1f} "
+            f"{a.max_live:>8} {a.throughput:>9.1f} {a.preemptions:>7}"
+        )
     for model in dict.fromkeys(a.model for a in arms):
         slot, paged = (next(a for a in arms if a.model == model and a.cache == c) for c in ("slot", "paged"))
-        print(f"{model}: paged/slot mean concurrency {paged.mean_live / slot.mean_live:.2f}x, "
-              f"throughput {paged.throughput / slot.throughput:.2f}x")
+        print(
+            f"{model}: paged/slot mean concurrency {paged.mean_live / slot.mean_live:.2f}x, "
+            f"throughput {paged.throughput / slot.throughput:.2f}x"
+        )
     rows = [asdict(a) for a in arms]
     if args.json:
         with open(args.json, "w") as f:

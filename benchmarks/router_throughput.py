@@ -19,7 +19,7 @@ import random
 import statistics
 import time
 
-from router import ROUTING_POLICIES, LoadReport, RouteRequest, Router
+from router import ROUTING_POLICIES, LoadReport, Router, RouteRequest
 
 TARGET = 2000.0  # decisions per second
 BURSTS = (1, 4, 16, 64)  # arrivals per route_many call
@@ -29,8 +29,15 @@ SLOTS = 8
 def random_report(replica_id: str, rng: random.Random) -> LoadReport:
     """A plausible report: some slots busy, a short queue only when none is free."""
     free = rng.randint(0, SLOTS)
-    return LoadReport(replica_id, queue_depth=rng.randint(0, 4) if free == 0 else 0, running=SLOTS - free,
-                      free_slots=free, num_slots=SLOTS, free_kv_tokens=512 * free, time=time.time())
+    return LoadReport(
+        replica_id,
+        queue_depth=rng.randint(0, 4) if free == 0 else 0,
+        running=SLOTS - free,
+        free_slots=free,
+        num_slots=SLOTS,
+        free_kv_tokens=512 * free,
+        time=time.time(),
+    )
 
 
 def pure_rate(policy: str, replicas: int, requests: int, window: int = 64) -> float:
@@ -134,8 +141,10 @@ def actor_rates(policy: str, replicas: int, batch_size: int, batches: int, seria
         handles = {f"r{i}": NullReplica.remote() for i in range(replicas)}
         router = RouterActor.remote(handles, policy=policy, store=NullStore.remote())
         ray.get(router.set_run.remote(1))  # decisions are shipped to the store only inside a run
-        results = {"RouterActor": measure_calls(router, batch_size, batches, serial),
-                   "bursts": {b: burst_rate(router, b, max(20, 2000 // b)) for b in BURSTS}}
+        results = {
+            "RouterActor": measure_calls(router, batch_size, batches, serial),
+            "bursts": {b: burst_rate(router, b, max(20, 2000 // b)) for b in BURSTS},
+        }
         ray.get(router.flush.remote())
         status = ray.get(router.status.remote())
         if status["store_errors"] or any(r["in_flight"] for r in status["replicas"].values()):
@@ -183,7 +192,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             ceiling_rate = 1 / ceiling[key] if latency else ceiling[key]
             label = f"one at a time, {key}" if latency else f"{key} (batched)"
             value = f"{figures[key] * 1e3:.2f} ms" if latency else ""
-            print(f"{actor:<18} {label:<22} {value:>10} {rate:>12,.0f} {rate / TARGET:>9.2f} {rate / ceiling_rate:>10.2f}")
+            print(
+                f"{actor:<18} {label:<22} {value:>10} {rate:>12,.0f} {rate / TARGET:>9.2f} {rate / ceiling_rate:>10.2f}"
+            )
     print("\n(c) RouterActor.route_many: one call carries a burst of arrivals (what the async client sends")
     print("    for requests routed in the same event-loop turn); one call in flight at a time")
     print(f"{'arrivals per call':<18} {'decisions/s':>12} {'x target':>9}")

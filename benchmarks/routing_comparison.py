@@ -25,11 +25,11 @@ import ray
 
 from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
 from cluster.driver import run_workload
-from cluster.experiment import measure_capacity
-from cluster.metrics import SLO
-from cluster.report import analyze, format_report
-from cluster.store import MetricsStore
-from replica.engine import EngineConfig
+from experiments.backends import measure_capacity
+from metrics.definitions import SLO
+from metrics.report import analyze, format_report
+from metrics.store import MetricsStore
+from replica.config import EngineConfig
 from replica.serving import ReplicaConfig
 from workloads.standard import at_load
 
@@ -37,27 +37,58 @@ POLICIES = ["round_robin", "random", "least_loaded"]
 
 
 def replay_all(args: argparse.Namespace, store_path: Path, slo: SLO) -> tuple[list[int], dict]:
-    """Same steps as `cluster.experiment.routing_experiment`, with the burst shape exposed."""
-    spec = ClusterSpec(num_replicas=args.replicas, routing_policy="least_loaded", store_path=str(store_path),
-                       seed=args.seed, replica=ReplicaConfig(engine=EngineConfig(num_slots=args.slots, max_seq_len=512),
-                                                             fake_step_seconds=args.step))
+    """Same steps as `experiments.run.routing_experiment`, with the burst shape exposed."""
+    spec = ClusterSpec(
+        num_replicas=args.replicas,
+        routing_policy="least_loaded",
+        store_path=str(store_path),
+        seed=args.seed,
+        replica=ReplicaConfig(engine=EngineConfig(num_slots=args.slots, max_seq_len=512), fake_step_seconds=args.step),
+    )
     deployment = start_cluster(spec)
     try:
         capacity = measure_capacity(deployment)  # output tokens/s, every slot of every replica decoding
-        workload = at_load("bursty-mix", args.requests, args.load, capacity, args.seed,
-                           burst_factor=args.burst_factor, period=args.period)
+        workload = at_load(
+            "bursty-mix",
+            args.requests,
+            args.load,
+            capacity,
+            args.seed,
+            burst_factor=args.burst_factor,
+            period=args.period,
+        )
         base_rate = workload.params["rate"]
         span = max(r.arrival for r in workload.requests)
-        info = {"capacity": capacity, "base_rate": base_rate, "workload": workload.describe(),
-                "offered": sum(workload.output_lens) / span / capacity}
-        config = {**spec.model_dump(), "workload": workload.describe(), "workload_params": workload.params,
-                  "load": args.load, "capacity_tokens_per_s": capacity, "rate_requests_per_s": base_rate}
+        info = {
+            "capacity": capacity,
+            "base_rate": base_rate,
+            "workload": workload.describe(),
+            "offered": sum(workload.output_lens) / span / capacity,
+        }
+        config = {
+            **spec.model_dump(),
+            "workload": workload.describe(),
+            "workload_params": workload.params,
+            "load": args.load,
+            "capacity_tokens_per_s": capacity,
+            "rate_requests_per_s": base_rate,
+        }
         run_ids = []
         for policy in POLICIES:
             ray.get(deployment.router.set_policy.remote(policy))
-            run_ids.append(run_workload(deployment, workload, name=f"routing-{policy}-{time.strftime('%H%M%S')}",
-                                        config=config, batching_policy="continuous", routing_policy=policy,
-                                        seed=args.seed, slo=asdict(slo), progress=not args.quiet))
+            run_ids.append(
+                run_workload(
+                    deployment,
+                    workload,
+                    name=f"routing-{policy}-{time.strftime('%H%M%S')}",
+                    config=config,
+                    batching_policy="continuous",
+                    routing_policy=policy,
+                    seed=args.seed,
+                    slo=asdict(slo),
+                    progress=not args.quiet,
+                )
+            )
         return run_ids, info
     finally:
         stop_cluster()
@@ -69,8 +100,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--slots", type=int, default=8, help="slots per replica (default: %(default)s)")
     p.add_argument("--step", type=float, default=0.02, help="seconds per step of the flat-cost fake model")
     p.add_argument("--requests", type=int, default=200, help="requests in the workload (default: %(default)s)")
-    p.add_argument("--load", type=float, default=0.8,
-                   help="time-averaged offered load, x measured cluster capacity (default: %(default)s)")
+    p.add_argument(
+        "--load",
+        type=float,
+        default=0.8,
+        help="time-averaged offered load, x measured cluster capacity (default: %(default)s)",
+    )
     p.add_argument("--burst-factor", type=float, default=3.0, help="hot windows rate*f, cold rate/f (default: 3)")
     p.add_argument("--period", type=float, default=2.0, help="seconds per hot or cold window (default: 2)")
     p.add_argument("--seed", type=int, default=0)
@@ -87,8 +122,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     slo = SLO(args.slo_ttft, args.slo_tpot)
     store_path = args.store or Path(tempfile.mkdtemp()) / "routing.db"
-    ray.init(address="local", num_cpus=args.replicas + 2, namespace="slotserve", include_dashboard=False,
-             log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=args.replicas + 2, namespace="slotserve", include_dashboard=False, log_to_driver=False
+    )
     try:
         run_ids, info = replay_all(args, store_path, slo)
     finally:
@@ -96,21 +132,29 @@ def main(argv: list[str] | None = None) -> dict:
     store = MetricsStore(store_path)
     res = {a["routing_policy"]: a for a in (analyze(store, r, slo) for r in run_ids)}
 
-    print(f"\n{args.replicas} replicas x {args.slots} slots, flat-cost {args.step * 1000:.0f} ms/step; capacity "
-          f"{info['capacity']:.0f} tok/s (ideal {args.replicas * args.slots / args.step:.0f})")
-    print(f"{info['workload']}; burst x{args.burst_factor:g} / {args.period:g} s windows, base rate "
-          f"{info['base_rate']:.1f} req/s; offered load {info['offered']:.2f}x capacity (target {args.load:g}x)")
+    print(
+        f"\n{args.replicas} replicas x {args.slots} slots, flat-cost {args.step * 1000:.0f} ms/step; capacity "
+        f"{info['capacity']:.0f} tok/s (ideal {args.replicas * args.slots / args.step:.0f})"
+    )
+    print(
+        f"{info['workload']}; burst x{args.burst_factor:g} / {args.period:g} s windows, base rate "
+        f"{info['base_rate']:.1f} req/s; offered load {info['offered']:.2f}x capacity (target {args.load:g}x)"
+    )
     print(f"SLO: TTFT <= {slo.ttft} s, TPOT <= {slo.tpot} s; store {store_path}, runs {run_ids}\n")
     replicas = sorted({r for a in res.values() for r in a["replicas"]})
-    head = (f"{'policy':<13}{'TTFT p50':>9}{'TTFT p99':>9}{'TPOT p50':>9}{'good tok/s':>11}{'good req/s':>11}"
-            f"{'SLO met':>8}{'imb req':>8}{'imb tok':>8}  occupancy " + " ".join(r.split('-')[-1] for r in replicas))
+    head = (
+        f"{'policy':<13}{'TTFT p50':>9}{'TTFT p99':>9}{'TPOT p50':>9}{'good tok/s':>11}{'good req/s':>11}"
+        f"{'SLO met':>8}{'imb req':>8}{'imb tok':>8}  occupancy " + " ".join(r.split("-")[-1] for r in replicas)
+    )
     print(head + "\n" + "-" * len(head))
     for policy, a in res.items():
         c, imb = a["cluster"], a["imbalance"]
         occ = " ".join(f"{100 * (a['replicas'].get(r, {}).get('occupancy') or 0):.0f}%" for r in replicas)
-        print(f"{policy:<13}{c['ttft']['p50']:>9.3f}{c['ttft']['p99']:>9.3f}{c['tpot']['p50']:>9.3f}"
-              f"{c['goodput']:>11.1f}{c['goodput_requests']:>11.2f}{100 * (c['slo_attainment'] or 0):>7.1f}%"
-              f"{imb['requests'] or 0:>8.2f}{imb['output_tokens'] or 0:>8.2f}  {occ}")
+        print(
+            f"{policy:<13}{c['ttft']['p50']:>9.3f}{c['ttft']['p99']:>9.3f}{c['tpot']['p50']:>9.3f}"
+            f"{c['goodput']:>11.1f}{c['goodput_requests']:>11.2f}{100 * (c['slo_attainment'] or 0):>7.1f}%"
+            f"{imb['requests'] or 0:>8.2f}{imb['output_tokens'] or 0:>8.2f}  {occ}"
+        )
 
     ll = res["least_loaded"]["cluster"]
     wins = []

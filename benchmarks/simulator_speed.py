@@ -19,10 +19,11 @@ import itertools
 import pstats
 import time
 
-from cluster.simulator import SimulationConfig, simulate
-from replica.engine import EngineConfig
-from replica.fake_model import FittedCostModel, FlatCostModel
+from replica.config import EngineConfig
+from replica.fake_model import FlatCostModel
 from replica.scheduler import ScheduledChunk, SchedulerOutput
+from sim.cost_model import FittedCostModel
+from sim.simulator import SimulationConfig, simulate
 from workloads.standard import at_load
 
 BATCHING = ("continuous", "chunked", "mixed", "dynamic")
@@ -34,8 +35,9 @@ def decode_capacity(cost, num_slots: int, num_replicas: int) -> float:
     """Output tokens/s of every slot of every replica decoding, under the cost model."""
     from replica.request import Request, SamplingParams
 
-    out = SchedulerOutput([ScheduledChunk(Request(f"c{i}", [1] * 64, SamplingParams(), 0.0), 64, 1, True)
-                           for i in range(num_slots)])
+    out = SchedulerOutput(
+        [ScheduledChunk(Request(f"c{i}", [1] * 64, SamplingParams(), 0.0), 64, 1, True) for i in range(num_slots)]
+    )
     return num_replicas * num_slots / cost.step_time(out)
 
 
@@ -46,8 +48,12 @@ def sweep(cells: int, requests: int, replicas: int, cost, slots: int = 8) -> tup
     finished = steps = 0
     for n, (load, batching, routing) in enumerate(grid):
         workload = at_load("bursty-mix", requests, load, capacity, seed=n)
-        config = SimulationConfig(num_replicas=replicas, routing_policy=routing, seed=n,
-                                  engine=EngineConfig(policy=batching, num_slots=slots, max_seq_len=640))
+        config = SimulationConfig(
+            num_replicas=replicas,
+            routing_policy=routing,
+            seed=n,
+            engine=EngineConfig(policy=batching, num_slots=slots, max_seq_len=640),
+        )
         result = simulate(workload, config, cost)
         finished += sum(t.finish_reason == "length" for t in result.traces)
         steps += sum(len(s) for s in result.steps.values())
@@ -71,9 +77,11 @@ def main() -> None:
     if profiler:
         profiler.disable()
     seconds = time.perf_counter() - start
-    print(f"{args.cells} cells x {args.requests} requests on {args.replicas} replicas ({type(cost).__name__}): "
-          f"{seconds:.1f} s = {args.cells / seconds:.2f} cells/s, {steps / seconds:.0f} simulated steps/s "
-          f"({steps} steps, {finished}/{args.cells * args.requests} requests served)")
+    print(
+        f"{args.cells} cells x {args.requests} requests on {args.replicas} replicas ({type(cost).__name__}): "
+        f"{seconds:.1f} s = {args.cells / seconds:.2f} cells/s, {steps / seconds:.0f} simulated steps/s "
+        f"({steps} steps, {finished}/{args.cells * args.requests} requests served)"
+    )
     print(f"target: under 60 s -> {'met' if seconds < 60 else 'MISSED'}")
     if profiler:
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)

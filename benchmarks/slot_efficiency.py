@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.metrics import expected_static_slot_efficiency, slot_efficiency
-from cluster.replay import replay
-from replica import Engine, EngineConfig, FakeClock
+from metrics.definitions import expected_static_slot_efficiency, slot_efficiency
+from protocol.clock import FakeClock
+from replica import Engine, EngineConfig
 from replica.fake_model import ScriptedFakeRunner
+from sim.replay import replay
 from workloads.standard import SIGMAS, sigma_sweep
 
 

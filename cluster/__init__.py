@@ -1,5 +1,5 @@
-"""The cluster around the engines: the `slotserve` CLI, the client, the driver that replays
-workloads, deployment on Ray, the metrics store and its goodput report, the metric
-definitions, and the in-process policy comparison.
+"""The Ray runtime, and nothing else: deploying the store, replicas and router as actors
+(`deploy`), the Python client (`client`), the driver that replays a workload through a
+running cluster (`driver`) and the store's actor (`store_actor`).
 
-`cluster` uses `replica`, `router` and `workloads`; none of them imports it."""
+`cluster` uses `replica`, `router`, `workloads`, `metrics` and `protocol`; none of them imports it."""

@@ -16,13 +16,15 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import AsyncIterator, Callable, Iterator
 
 import ray
 
-from replica.errors import SlotServeError
+from metrics.definitions import RequestTrace
+from protocol.errors import SlotServeError
+from protocol.messages import StreamEvent
 from replica.request import SamplingParams
 from router.actor import ROUTER_ACTOR_NAME
 
@@ -39,8 +41,10 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
     try:
         socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout).close()
     except (OSError, ValueError) as err:
-        raise ClusterError(f"cannot reach a Ray cluster at {address!r} ({err}); "
-                           "start one with `ray start --head` or give its HOST:PORT") from None
+        raise ClusterError(
+            f"cannot reach a Ray cluster at {address!r} ({err}); "
+            "start one with `ray start --head` or give its HOST:PORT"
+        ) from None
 
 
 def _local_cluster_address() -> str:
@@ -63,14 +67,16 @@ def connect(address: str | None = None) -> None:
     try:
         target = address if address not in (None, "auto") else _local_cluster_address()
     except ConnectionError as err:
-        raise ClusterError(f"no Ray cluster running here: start one with `ray start --head` or `slotserve up` ({err})"
-                           ) from None
+        raise ClusterError(
+            f"no Ray cluster running here: start one with `ray start --head` or `slotserve up` ({err})"
+        ) from None
     _check_reachable(target)
     try:
         ray.init(address=target, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
     except ConnectionError as err:
-        raise ClusterError(f"no Ray cluster running at {target}: start one with `ray start --head` or "
-                           f"`slotserve up` ({err})") from None
+        raise ClusterError(
+            f"no Ray cluster running at {target}: start one with `ray start --head` or `slotserve up` ({err})"
+        ) from None
 
 
 def router_handle():
@@ -78,18 +84,6 @@ def router_handle():
         return ray.get_actor(ROUTER_ACTOR_NAME, namespace=NAMESPACE)
     except ValueError:
         raise ClusterError("no slotserve router on this Ray cluster: start one with `slotserve up`") from None
-
-
-@dataclass
-class StreamEvent:
-    token_ids: list[int]
-    text: str
-    time: float  # when the client received it
-    made: float  # when the replica made it (the replica's clock)
-    finished: bool
-    finish_reason: str | None
-    error: str | None
-    replica_id: str
 
 
 @dataclass
@@ -114,6 +108,32 @@ class Result:
         self.text += event.text
         if event.finished:
             self.finish_reason, self.error, self.completion = event.finish_reason, event.error, event.time
+
+    def trace(
+        self,
+        prompt_len: int,
+        max_tokens: int | None = None,
+        session_id: str | None = None,
+        planned_arrival: float | None = None,
+        submitted: float | None = None,
+    ) -> RequestTrace:
+        """The request as the metrics store records it (`submitted`: when the driver sent it,
+        for its lateness against `planned_arrival`)."""
+        planned = self.arrival if planned_arrival is None else planned_arrival
+        return RequestTrace(
+            self.request_id,
+            self.arrival,
+            self.token_times,
+            time.time() if self.completion is None else self.completion,
+            self.finish_reason or "error",
+            prompt_len,
+            self.replica_id,
+            session_id=session_id,
+            max_tokens=max_tokens,
+            error=self.error,
+            planned_arrival=planned,
+            submit_lateness=(self.arrival if submitted is None else submitted) - planned,
+        )
 
 
 def _unwrap(err: Exception) -> Exception:
@@ -141,17 +161,16 @@ class _Feed:
                 if not ray.is_initialized():  # the driver shut Ray down under us: stop quietly
                     return
                 batch, now = ray.get(ref), time.time()
-                for raw in batch:
+                for event in batch:
                     # An aborted or refused request's sink is gone already: its final event is dropped.
-                    rid = raw["request_id"]
-                    sink = self.sinks.pop(rid, None) if raw["finished"] else self.sinks.get(rid)
+                    rid = event.request_id
+                    sink = self.sinks.pop(rid, None) if event.finished else self.sinks.get(rid)
                     if sink is not None:
-                        sink(StreamEvent(raw["token_ids"], raw["text"], now, raw["time"], raw["finished"],
-                                         raw["finish_reason"], raw["error"], raw["replica_id"]))
+                        sink(event.stamped(now))
         except Exception as err:  # noqa: BLE001 - the replica died or Ray went away: its requests end with an error
-            for sink in list(self.sinks.values()):
-                sink(StreamEvent([], "", time.time(), time.time(), True, "error", f"replica lost: {err}",
-                                 self._replica_id))
+            for rid, sink in list(self.sinks.items()):
+                now = time.time()
+                sink(StreamEvent(rid, self._replica_id, [], "", now, True, "error", f"replica lost: {err}", now))
             self.sinks.clear()
 
 
@@ -170,7 +189,7 @@ class Client:
             self._replicas[replica_id].close_events.remote(self.subscriber)
         self._feeds.clear()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -182,7 +201,9 @@ class Client:
         sampling = SamplingParams.parse(params)
         arrival = time.time()
         rid = request_id or uuid.uuid4().hex
-        prompt_len = len(prompt) if isinstance(prompt, list) else max(1, len(str(prompt)) // 4)  # estimate: no tokenizer here
+        prompt_len = (
+            len(prompt) if isinstance(prompt, list) else max(1, len(str(prompt)) // 4)
+        )  # estimate: no tokenizer here
         return Result(rid, None, arrival), sampling, (rid, prompt_len, sampling.max_tokens, session_id)
 
     async def _aroute(self, route: tuple) -> str:
@@ -280,26 +301,30 @@ class Client:
                 self._abort(result)
 
     # ---- the API --------------------------------------------------------------------------
-    def stream(self, prompt: str | list[int], session_id: str | None = None, request_id: str | None = None,
-               **params) -> Iterator[StreamEvent]:
+    def stream(
+        self, prompt: str | list[int], session_id: str | None = None, request_id: str | None = None, **params
+    ) -> Iterator[StreamEvent]:
         """Yield events as tokens arrive; the last has finished=True and the finish reason."""
         yield from self._sync_events(prompt, session_id, request_id, params)[1]
 
-    def generate(self, prompt: str | list[int], session_id: str | None = None, request_id: str | None = None,
-                 **params) -> Result:
+    def generate(
+        self, prompt: str | list[int], session_id: str | None = None, request_id: str | None = None, **params
+    ) -> Result:
         result, events = self._sync_events(prompt, session_id, request_id, params)
         for _ in events:
             pass
         return result
 
-    async def astream(self, prompt: str | list[int], session_id: str | None = None, request_id: str | None = None,
-                      **params) -> AsyncIterator[StreamEvent]:
+    async def astream(
+        self, prompt: str | list[int], session_id: str | None = None, request_id: str | None = None, **params
+    ) -> AsyncIterator[StreamEvent]:
         _, events = await self._async_events(prompt, session_id, request_id, params)
         async for event in events:
             yield event
 
-    async def agenerate(self, prompt: str | list[int], session_id: str | None = None, request_id: str | None = None,
-                        **params) -> Result:
+    async def agenerate(
+        self, prompt: str | list[int], session_id: str | None = None, request_id: str | None = None, **params
+    ) -> Result:
         result, events = await self._async_events(prompt, session_id, request_id, params)
         async for _ in events:
             pass

@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.client import NAMESPACE, ClusterError, connect, router_handle
-from cluster.store import DEFAULT_STORE
 from cluster.store_actor import STORE_ACTOR_NAME, StoreActor
+from metrics.store import DEFAULT_STORE
 from replica.actor import ReplicaActor
 from replica.serving import ReplicaConfig
 from router.actor import ROUTER_ACTOR_NAME, RouterActor
@@ -61,11 +61,17 @@ def ensure_ray(address: str | None, start_local: bool) -> None:
         pass
     if start_local:
         ray_cli = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
-        subprocess.run([ray_cli, "start", "--head", "--disable-usage-stats", "--include-dashboard=false"],
-                       check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [ray_cli, "start", "--head", "--disable-usage-stats", "--include-dashboard=false"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         connect("auto")
     else:
-        ray.init(address="local", namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR", include_dashboard=False)
+        ray.init(
+            address="local", namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR", include_dashboard=False
+        )
 
 
 def start_cluster(spec: ClusterSpec, detached: bool = False) -> Deployment:
@@ -79,18 +85,26 @@ def start_cluster(spec: ClusterSpec, detached: bool = False) -> Deployment:
     except ValueError:
         pass
     here = ray.get_runtime_context().get_node_id()
-    store = StoreActor.options(name=STORE_ACTOR_NAME, namespace=NAMESPACE, **lifetime,
-                               scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)
-                               ).remote(str(Path(spec.store_path).resolve()))
+    store = StoreActor.options(
+        name=STORE_ACTOR_NAME,
+        namespace=NAMESPACE,
+        **lifetime,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+    ).remote(str(Path(spec.store_path).resolve()))
     replicas = {
         f"replica-{i}": ReplicaActor.options(
-            name=f"{REPLICA_PREFIX}{i}", namespace=NAMESPACE, **lifetime, num_cpus=spec.num_cpus_per_replica,
-            num_gpus=spec.num_gpus_per_replica, scheduling_strategy="SPREAD",
+            name=f"{REPLICA_PREFIX}{i}",
+            namespace=NAMESPACE,
+            **lifetime,
+            num_cpus=spec.num_cpus_per_replica,
+            num_gpus=spec.num_gpus_per_replica,
+            scheduling_strategy="SPREAD",
         ).remote(f"replica-{i}", spec.replica.model_dump())
         for i in range(spec.num_replicas)
     }
     router = RouterActor.options(name=ROUTER_ACTOR_NAME, namespace=NAMESPACE, **lifetime).remote(
-        replicas, spec.routing_policy, spec.seed, store)
+        replicas, spec.routing_policy, spec.seed, store
+    )
     try:
         ray.get([r.attach.remote(router, store) for r in replicas.values()], timeout=READY_TIMEOUT)
     except ray.exceptions.RayError as err:
@@ -107,8 +121,11 @@ def find_cluster() -> Deployment:
 
 def stop_cluster() -> list[str]:
     """Kill every slotserve actor; returns the names it found."""
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == NAMESPACE and a["name"].startswith("slotserve-")]
+    names = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == NAMESPACE and a["name"].startswith("slotserve-")
+    ]
     for name in names:
         ray.kill(ray.get_actor(name, namespace=NAMESPACE))
     return names

@@ -20,30 +20,17 @@ from tqdm import tqdm
 
 from cluster.client import Client, Result
 from cluster.deploy import Deployment
-from replica.errors import SlotServeError
+from metrics.recording import request_row
+from protocol.errors import SlotServeError
 from workloads.schedule import ArrivalSchedule
 from workloads.workload import Workload, WorkloadRequest, request_prompt
 
 REQUEST_BATCH = 32  # request rows per store write
 
 
-def request_row(spec: WorkloadRequest, result: Result, planned: float, submitted: float) -> dict:
-    """A finished request as a row of the store's `requests` table (the simulator writes its
-    rows through this too). Times may be virtual and start at 0, so a missing one is None,
-    never a falsy 0."""
-    return {
-        "request_id": result.request_id, "replica_id": result.replica_id, "session_id": spec.session_id,
-        "planned_arrival": planned, "arrival": submitted if result.arrival is None else result.arrival,
-        "submit_lateness": submitted - planned,
-        "first_token": result.token_times[0] if result.token_times else None,
-        "completion": time.time() if result.completion is None else result.completion, "prompt_len": spec.prompt_len,
-        "output_len": len(result.token_ids), "max_tokens": spec.output_len, "finish_reason": result.finish_reason,
-        "error": result.error, "token_times": result.token_times,
-    }
-
-
-async def _replay(client: Client, workload: Workload, run_id: int, store, replicas: list, vocab_size: int,
-                  seed: int, progress: bool) -> None:
+async def _replay(
+    client: Client, workload: Workload, run_id: int, store, replicas: list, vocab_size: int, seed: int, progress: bool
+) -> None:
     rows: list[dict] = []
     bar = tqdm(total=len(workload.requests), desc=workload.name, unit="req", disable=not progress)
     schedule = ArrivalSchedule(workload)
@@ -59,15 +46,16 @@ async def _replay(client: Client, workload: Workload, run_id: int, store, replic
         prompt = request_prompt(seed, i, spec, vocab_size)
         rid = f"run{run_id}-{i}"
         try:
-            result = await client.agenerate(prompt, session_id=spec.session_id, request_id=rid,
-                                            max_tokens=spec.output_len, ignore_eos=True)
+            result = await client.agenerate(
+                prompt, session_id=spec.session_id, request_id=rid, max_tokens=spec.output_len, ignore_eos=True
+            )
         except SlotServeError as err:
             reason = "rejected" if isinstance(err, ValueError) else "error"
             result = Result(rid, None, submitted, finish_reason=reason, error=str(err), completion=time.time())
         finally:  # even an unexpected error (raised at the gather below) ends the request for its user
             schedule.finished(i, time.time() - t0)
             wake.set()
-        rows.append(request_row(spec, result, planned, submitted))
+        rows.append(request_row(result.trace(spec.prompt_len, spec.output_len, spec.session_id, planned, submitted)))
         bar.update(1)
         if len(rows) >= REQUEST_BATCH:
             await flush()
@@ -100,8 +88,18 @@ async def _replay(client: Client, workload: Workload, run_id: int, store, replic
         bar.close()
 
 
-def run_workload(deployment: Deployment, workload: Workload, *, name: str, config: dict, batching_policy: str,
-                 routing_policy: str, seed: int = 0, slo: dict | None = None, progress: bool = True) -> int:
+def run_workload(
+    deployment: Deployment,
+    workload: Workload,
+    *,
+    name: str,
+    config: dict,
+    batching_policy: str,
+    routing_policy: str,
+    seed: int = 0,
+    slo: dict | None = None,
+    progress: bool = True,
+) -> int:
     """Replay `workload` and return its run id in the store."""
     store = deployment.store
     config = {**config, "workload_spec": workload.spec}
@@ -110,8 +108,7 @@ def run_workload(deployment: Deployment, workload: Workload, *, name: str, confi
     ray.get([a.set_run.remote(run_id) for a in actors])
     vocab = ray.get(next(iter(deployment.replicas.values())).info.remote())["vocab_size"]
     with Client() as client:
-        asyncio.run(_replay(client, workload, run_id, store, list(deployment.replicas.values()), vocab, seed,
-                            progress))
+        asyncio.run(_replay(client, workload, run_id, store, list(deployment.replicas.values()), vocab, seed, progress))
     ray.get([a.flush.remote() for a in actors])
     ray.get(store.end_run.remote(run_id, "complete"))
     return run_id

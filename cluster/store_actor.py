@@ -1,15 +1,18 @@
 """The metrics store as a Ray actor: the store's one writer, which replicas, router and driver
-on any node push batches to. It delegates every call to a `MetricsStore` and adds nothing.
+on any node push batches to. It delegates every call to a `MetricsStore`.
 
 Start it on the node whose disk holds the file, with an absolute path (the actor's working
-directory is Ray's, not the caller's); cluster/deploy.py does both."""
+directory is Ray's, not the caller's); cluster/deploy.py does both. Replicas and the router send
+their step records and decisions as they are; the rows are made here, by the same
+`metrics.recording` functions the simulator records through."""
 
 from __future__ import annotations
 
 import ray
 
-from cluster.metrics import RequestTrace
-from cluster.store import open_store
+from metrics.definitions import RequestTrace
+from metrics.recording import decision_row, step_row
+from metrics.store import open_store
 
 STORE_ACTOR_NAME = "slotserve-store"
 
@@ -19,14 +22,35 @@ class StoreActor:
     def __init__(self, path: str):
         self.store = open_store(path)
 
-    def begin_run(self, *args, **kwargs) -> int: return self.store.begin_run(*args, **kwargs)
-    def end_run(self, run_id: int, status: str = "complete") -> None: self.store.end_run(run_id, status)
-    def add_requests(self, run_id: int, rows: list[dict]) -> None: self.store.add_requests(run_id, rows)
-    def add_steps(self, run_id: int, rows: list[dict]) -> None: self.store.add_steps(run_id, rows)
-    def add_decisions(self, run_id: int, rows: list[dict]) -> None: self.store.add_decisions(run_id, rows)
-    def runs(self) -> list[dict]: return self.store.runs()
-    def run(self, run_id: int) -> dict: return self.store.run(run_id)
-    def traces(self, run_id: int) -> list[RequestTrace]: return self.store.traces(run_id)
-    def requests(self, run_id: int) -> list[dict]: return self.store.requests(run_id)
-    def steps(self, run_id: int) -> list[dict]: return self.store.steps(run_id)
-    def decisions(self, run_id: int) -> list[dict]: return self.store.decisions(run_id)
+    def begin_run(self, *args, **kwargs) -> int:
+        return self.store.begin_run(*args, **kwargs)
+
+    def end_run(self, run_id: int, status: str = "complete") -> None:
+        self.store.end_run(run_id, status)
+
+    def add_requests(self, run_id: int, rows: list[dict]) -> None:
+        self.store.add_requests(run_id, rows)
+
+    def add_step_records(self, run_id: int, replica_id: str, num_slots: int, records: list) -> None:
+        self.store.add_steps(run_id, [step_row(replica_id, r, num_slots) for r in records])
+
+    def add_decision_records(self, run_id: int, decisions: list) -> None:
+        self.store.add_decisions(run_id, [decision_row(d) for d in decisions])
+
+    def runs(self) -> list[dict]:
+        return self.store.runs()
+
+    def run(self, run_id: int) -> dict:
+        return self.store.run(run_id)
+
+    def traces(self, run_id: int) -> list[RequestTrace]:
+        return self.store.traces(run_id)
+
+    def requests(self, run_id: int) -> list[dict]:
+        return self.store.requests(run_id)
+
+    def steps(self, run_id: int) -> list[dict]:
+        return self.store.steps(run_id)
+
+    def decisions(self, run_id: int) -> list[dict]:
+        return self.store.decisions(run_id)

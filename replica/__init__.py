@@ -3,14 +3,26 @@
 The engine and its schedulers import no Ray; torch is loaded only when a real model is used.
 """
 
-from replica.clock import FakeClock, WallClock
-from replica.engine import Completion, Engine, EngineConfig, RequestOutput, StepRecord, StepResult
+from replica.config import EngineConfig
+from replica.engine import Completion, Engine, RequestOutput, StepRecord, StepResult
 from replica.errors import ConfigError, InvalidRequestError, InvariantViolation, RequestTooLongError
 from replica.policies import POLICIES, make_scheduler
 from replica.request import FinishReason, Request, SamplingParams
 
 __all__ = [
-    "POLICIES", "Completion", "ConfigError", "Engine", "EngineConfig", "FakeClock", "FinishReason",
-    "InvalidRequestError", "InvariantViolation", "Request", "RequestOutput", "RequestTooLongError",
-    "SamplingParams", "StepRecord", "StepResult", "WallClock", "make_scheduler",
+    "POLICIES",
+    "Completion",
+    "ConfigError",
+    "Engine",
+    "EngineConfig",
+    "FinishReason",
+    "InvalidRequestError",
+    "InvariantViolation",
+    "Request",
+    "RequestOutput",
+    "RequestTooLongError",
+    "SamplingParams",
+    "StepRecord",
+    "StepResult",
+    "make_scheduler",
 ]

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict
+from collections.abc import AsyncIterator
 from functools import partial
-from typing import Any, AsyncIterator
+from typing import Any
 
 import ray
 
+from protocol.errors import SlotServeError
+from protocol.messages import LoadReport, StreamEvent
 from replica.engine import RequestOutput, StepRecord
-from replica.errors import SlotServeError
-from replica.serving import AsyncEngine, LoadSnapshot, ReplicaConfig, build_engine, report_due, step_row
+from replica.serving import AsyncEngine, ReplicaConfig, build_engine, report_due
 
 STEP_BATCH = 64  # step samples per store write
 
@@ -28,12 +29,14 @@ class ReplicaActor:
     def __init__(self, replica_id: str, config: dict[str, Any]):
         self.replica_id = replica_id
         self.config = ReplicaConfig.model_validate(config)
-        self.serving = AsyncEngine(build_engine(self.config), self._on_step, self._on_finish, self._on_load)
+        self.serving = AsyncEngine(
+            build_engine(self.config), self._on_step, self._on_finish, self._on_load, replica_id=replica_id
+        )
         self.router = None
         self.store = None
         self.run_id: int | None = None
-        self._steps: list[dict] = []
-        self._pending: dict[str, list[dict]] = {}  # this step's events, per subscriber
+        self._steps: list[StepRecord] = []
+        self._pending: dict[str, list[StreamEvent]] = {}  # this step's events, per subscriber
         self._outboxes: dict[str, asyncio.Queue] = {}
         self._last_report = 0.0
 
@@ -46,13 +49,25 @@ class ReplicaActor:
 
     def info(self) -> dict:
         engine = self.serving.engine
-        return {"replica_id": self.replica_id, "node_id": ray.get_runtime_context().get_node_id(),
-                "policy": engine.config.policy, "model": engine.config.model, "num_slots": engine.config.num_slots,
-                "vocab_size": engine.runner.vocab_size,
-                "fake_step_seconds": self.config.fake_step_seconds, "load": asdict(self.serving.load())}
+        return {
+            "replica_id": self.replica_id,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "policy": engine.config.policy,
+            "model": engine.config.model,
+            "num_slots": engine.config.num_slots,
+            "vocab_size": engine.runner.vocab_size,
+            "fake_step_seconds": self.config.fake_step_seconds,
+            "load": self.serving.load(),
+        }
 
-    async def submit(self, subscriber: str, prompt: str | list[int], params: dict | None, request_id: str,
-                     arrival_time: float | None = None) -> None:
+    async def submit(
+        self,
+        subscriber: str,
+        prompt: str | list[int],
+        params: dict | None,
+        request_id: str,
+        arrival_time: float | None = None,
+    ) -> None:
         """Queue a request whose events go to `subscriber`'s stream (see `events`). A refused
         request raises its InvalidRequestError here, and the router is told it is done."""
         try:
@@ -62,7 +77,7 @@ class ReplicaActor:
                 self.router.complete.remote(request_id)
             raise
 
-    async def events(self, subscriber: str) -> AsyncIterator[list[dict]]:
+    async def events(self, subscriber: str) -> AsyncIterator[list[StreamEvent]]:
         """The subscriber's event stream: one message per step, holding every token that step
         made for any of the subscriber's requests. Batching per step, not per token, keeps the
         cost of streaming through Ray flat as batches grow (like vLLM's per-step outputs)."""
@@ -76,10 +91,18 @@ class ReplicaActor:
         self._outboxes.setdefault(subscriber, asyncio.Queue()).put_nowait(None)
 
     def _collect(self, subscriber: str, out: RequestOutput) -> None:
-        self._pending.setdefault(subscriber, []).append({
-            "request_id": out.request_id, "token_ids": out.new_token_ids, "text": out.new_text,
-            "finished": out.finished, "finish_reason": out.finish_reason.value if out.finish_reason else None,
-            "error": out.error, "time": out.time, "replica_id": self.replica_id})
+        self._pending.setdefault(subscriber, []).append(
+            StreamEvent(
+                out.request_id,
+                self.replica_id,
+                out.new_token_ids,
+                out.new_text,
+                out.time,
+                out.finished,
+                out.finish_reason.value if out.finish_reason else None,
+                out.error,
+            )
+        )
         if len(self._pending) == 1 and len(self._pending[subscriber]) == 1:
             # The step's other outputs are delivered in this same loop iteration: send them together.
             asyncio.get_running_loop().call_soon(self._send_pending)
@@ -105,27 +128,32 @@ class ReplicaActor:
 
     async def flush(self) -> int:
         """Push buffered step samples to the store and wait until they are written."""
-        rows, self._steps = self._steps, []
-        if rows and self.store is not None and self.run_id is not None:
-            await self.store.add_steps.remote(self.run_id, rows)
-        return len(rows)
+        records, self._steps = self._steps, []
+        if records and self.store is not None and self.run_id is not None:
+            await self.store.add_step_records.remote(self.run_id, self.replica_id, self._num_slots, records)
+        return len(records)
 
     # ---- callbacks from the serving loop --------------------------------------------------
     def _on_step(self, record: StepRecord) -> None:
         if self.run_id is None:
             return
-        self._steps.append(step_row(self.replica_id, record, self.serving.engine.config.num_slots))
+        self._steps.append(record)
         if len(self._steps) >= STEP_BATCH and self.store is not None:
-            rows, self._steps = self._steps, []
-            self.store.add_steps.remote(self.run_id, rows)  # fire and forget: never stall the loop
+            records, self._steps = self._steps, []
+            # fire and forget: never stall the loop
+            self.store.add_step_records.remote(self.run_id, self.replica_id, self._num_slots, records)
 
     def _on_finish(self, output: RequestOutput) -> None:
         if self.router is not None:
             self.router.complete.remote(output.request_id)
 
-    def _on_load(self, load: LoadSnapshot) -> None:
+    @property
+    def _num_slots(self) -> int:
+        return self.serving.engine.config.num_slots
+
+    def _on_load(self, load: LoadReport) -> None:
         now = time.monotonic()
         if self.router is None or not report_due(load, now - self._last_report):
             return
         self._last_report = now
-        self.router.report.remote({"replica_id": self.replica_id, **asdict(load)})
+        self.router.report.remote(load)

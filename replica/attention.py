@@ -35,8 +35,9 @@ class AttentionMetadata:
     q_per_kv: int
 
 
-def build_group(token_idx: list[int], slots: list[int], offsets: list[int], positions: list[int],
-                q_per_kv: int, device: str) -> AttentionGroup:
+def build_group(
+    token_idx: list[int], slots: list[int], offsets: list[int], positions: list[int], q_per_kv: int, device: str
+) -> AttentionGroup:
     """One group from per-row slot, offset within the chunk, and absolute position."""
     lo, hi = min(slots), max(slots) + 1
     q_max, kv_len = max(offsets) + 1, max(positions) + 1
@@ -49,7 +50,9 @@ def build_group(token_idx: list[int], slots: list[int], offsets: list[int], posi
     return AttentionGroup(torch.tensor(token_idx, device=device), row, off, lo, hi, q_max, kv_len, mask)
 
 
-def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def slot_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads * head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv = num_heads // meta.q_per_kv
@@ -70,6 +73,7 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 # ---- the paged cache ---------------------------------------------------------------------
 
+
 @dataclass
 class PagedAttentionMetadata:
     """The paged cache's step layout. K/V are written at (block, offset); for attention, the
@@ -83,16 +87,19 @@ class PagedAttentionMetadata:
     dense: AttentionMetadata
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: PagedAttentionMetadata) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata
+) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads * head_dim]. The blocks are copied, not viewed (a
     paged-attention kernel would read them in place); the attention itself is the slot path's."""
-    return slot_attention(q, gather_blocks(k_cache, meta.block_tables), gather_blocks(v_cache, meta.block_tables),
-                          meta.dense)
+    return slot_attention(
+        q, gather_blocks(k_cache, meta.block_tables), gather_blocks(v_cache, meta.block_tables), meta.dense
+    )
 
 
 def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """[blocks, kv_heads, block_size, head_dim] through tables [seqs, n] -> [seqs, kv_heads, n * block_size, head_dim]."""
+    """[blocks, kv_heads, block_size, head_dim] through tables [seqs, n]
+    -> [seqs, kv_heads, n * block_size, head_dim]."""
     seqs, n = tables.shape
     _, kv_heads, block_size, head_dim = cache.shape
     blocks = cache.index_select(0, tables.flatten()).view(seqs, n, kv_heads, block_size, head_dim)

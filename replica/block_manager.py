@@ -106,7 +106,9 @@ class BlockManager:
     def allocate(self, request: Request, num_tokens: int) -> None:
         """Give a new request its prefix hits, then fresh blocks up to `num_tokens` tokens."""
         if request.block_table:
-            raise InvariantViolation(f"allocate() for {request.request_id}, which already has blocks {request.block_table}")
+            raise InvariantViolation(
+                f"allocate() for {request.request_id}, which already has blocks {request.block_table}"
+            )
         for block_id in self.prefix_hits(request):
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -168,8 +170,9 @@ class BlockManager:
         unreferenced = {b.block_id for b in self.blocks if b.ref_count == 0}
         if set(free) != unreferenced:
             raise InvariantViolation(f"free blocks {sorted(free)} != unreferenced blocks {sorted(unreferenced)}")
-        if any(self.blocks[b].hash is not None for b in self._free) or \
-                any(self.blocks[b].hash is None for b in self._free_cached):
+        if any(self.blocks[b].hash is not None for b in self._free) or any(
+            self.blocks[b].hash is None for b in self._free_cached
+        ):
             raise InvariantViolation("a plain free block is cached, or a cached free block is not")
         cached = {b.hash: b.block_id for b in self.blocks if b.hash is not None}
         if cached != self._cached:
@@ -181,8 +184,9 @@ class PagedSlotTable(SlotTable):
     stay as sequence ids (a row of the batch; num_slots still caps concurrency), but K/V is
     reserved a block at a time as a request grows, not max_seq_len per slot up front."""
 
-    def __init__(self, num_slots: int, max_seq_len: int, num_blocks: int, block_size: int,
-                 prefix_caching: bool = False):
+    def __init__(
+        self, num_slots: int, max_seq_len: int, num_blocks: int, block_size: int, prefix_caching: bool = False
+    ):
         super().__init__(num_slots, max_seq_len, num_blocks * block_size)
         self.block_size = block_size
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
@@ -223,12 +227,18 @@ class PagedSlotTable(SlotTable):
         self.blocks.check_invariants(owners)
         if self.used_kv_tokens != self.blocks.num_used_blocks * self.block_size:
             raise InvariantViolation(
-                f"K/V tokens counted {self.used_kv_tokens}, blocks in use hold {self.blocks.num_used_blocks * self.block_size}"
+                f"K/V tokens counted {self.used_kv_tokens}, "
+                f"blocks in use hold {self.blocks.num_used_blocks * self.block_size}"
             )
         for r in owners:
-            if not self.blocks.blocks_for(r.num_computed_tokens) <= len(r.block_table) <= \
-                    self.blocks.blocks_for(self.max_seq_len):
-                raise InvariantViolation(f"{r.request_id} computed {r.num_computed_tokens} tokens in {len(r.block_table)} blocks")
+            if (
+                not self.blocks.blocks_for(r.num_computed_tokens)
+                <= len(r.block_table)
+                <= self.blocks.blocks_for(self.max_seq_len)
+            ):
+                raise InvariantViolation(
+                    f"{r.request_id} computed {r.num_computed_tokens} tokens in {len(r.block_table)} blocks"
+                )
             for i, block_id in enumerate(r.block_table):
                 h = self.blocks.blocks[block_id].hash
                 if h is not None and (i >= len(r.block_hashes) or r.block_hashes[i] != h):

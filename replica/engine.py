@@ -9,34 +9,16 @@ happened (new tokens, finished requests, a per-step record), `abort` cancels, an
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, Sequence
+from typing import Any, Protocol
 
-from pydantic import ConfigDict, Field, field_validator
-
-from replica.clock import Clock, WallClock
+from protocol.clock import Clock, WallClock
+from replica.config import EngineConfig
 from replica.errors import ConfigError, InvalidRequestError, InvariantViolation, RequestTooLongError
-from replica.model_loader import DEFAULT_MODEL
-from replica.policies import POLICIES, make_scheduler
+from replica.policies import make_scheduler
 from replica.request import FinishReason, Request, SamplingParams
-from replica.scheduler import SchedulerConfig, SchedulerOutput
-
-
-class EngineConfig(SchedulerConfig):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-    model: str = Field(DEFAULT_MODEL, description="built-in name or a local Hugging Face directory")
-    policy: str = Field("continuous", description="batching policy (see replica.policies.POLICIES)")
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    device: str = Field("auto", description='"auto" (cuda when present), "cpu" or "cuda"')
-    seed: int = 0
-
-    @field_validator("policy")
-    @classmethod
-    def _known_policy(cls, policy: str) -> str:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown batching policy {policy!r}; choose one of {', '.join(POLICIES)}")
-        return policy
+from replica.scheduler import SchedulerOutput
 
 
 class Runner(Protocol):
@@ -109,9 +91,7 @@ class Engine:
         if runner is None:
             from replica.model_runner import ModelRunner  # torch only when a real model is asked for
 
-            c = self.config
-            runner = ModelRunner(c.model, c.num_slots, c.max_seq_len, c.dtype, c.device, c.seed,
-                                 kv_cache=c.kv_cache, block_size=c.block_size, num_blocks=c.num_blocks)
+            runner = ModelRunner(self.config)
         if self.config.max_seq_len > runner.max_model_len:  # a slot can't hold more than the model's context
             self.config = self.config.model_copy(update={"max_seq_len": runner.max_model_len})
         cache = getattr(runner, "cache", None)  # a shared runner's cache must hold this engine's slots or blocks
@@ -125,9 +105,14 @@ class Engine:
         self._steps = itertools.count()
 
     # ---- submission --------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | dict | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None,
-                    oracle_output_len: int | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | dict | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        oracle_output_len: int | None = None,
+    ) -> str:
         """Validate and queue a request; raises InvalidRequestError (naming the field) and
         queues nothing when any part of it is wrong."""
         sampling = SamplingParams.parse(params)
@@ -149,8 +134,13 @@ class Engine:
             raise InvalidRequestError("request_id", f"must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
-        request = Request(request_id, prompt_ids, sampling,
-                          self.clock.now() if arrival_time is None else arrival_time, oracle_output_len)
+        request = Request(
+            request_id,
+            prompt_ids,
+            sampling,
+            self.clock.now() if arrival_time is None else arrival_time,
+            oracle_output_len,
+        )
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -164,7 +154,9 @@ class Engine:
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
             if bad:
-                raise InvalidRequestError("prompt", f"token ids must be in [0, {self.runner.vocab_size}), got {bad[:5]}")
+                raise InvalidRequestError(
+                    "prompt", f"token ids must be in [0, {self.runner.vocab_size}), got {bad[:5]}"
+                )
         else:
             raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
@@ -201,11 +193,17 @@ class Engine:
 
     def _record(self, out: SchedulerOutput, start: float, live_slots: int) -> StepRecord:
         return StepRecord(
-            step=next(self._steps), start=start, duration=self.clock.now() - start,
-            num_decode_tokens=out.num_decode_tokens, num_prefill_tokens=out.num_prefill_tokens,
-            context_tokens=out.context_tokens, live_slots=live_slots, useful_rows=len(out.chunks),
+            step=next(self._steps),
+            start=start,
+            duration=self.clock.now() - start,
+            num_decode_tokens=out.num_decode_tokens,
+            num_prefill_tokens=out.num_prefill_tokens,
+            context_tokens=out.context_tokens,
+            live_slots=live_slots,
+            useful_rows=len(out.chunks),
             computed_rows=len(out.chunks) + len(out.held_rows),
-            num_preemptions=len(out.preempted), queue_depth=len(self.scheduler.waiting),
+            num_preemptions=len(out.preempted),
+            queue_depth=len(self.scheduler.waiting),
         )
 
     def _append(self, request: Request, token: int, now: float) -> RequestOutput:
@@ -235,12 +233,13 @@ class Engine:
         # Hold back a trailing partial UTF-8 character until the next token completes it.
         if text.endswith("\ufffd"):
             return ""
-        delta = text[len(request.text):] if text.startswith(request.text) else text
+        delta = text[len(request.text) :] if text.startswith(request.text) else text
         request.text = text
         return delta
 
-    def _finish(self, request: Request, reason: FinishReason, new_tokens: list[int], new_text: str,
-                error: str | None = None) -> RequestOutput:
+    def _finish(
+        self, request: Request, reason: FinishReason, new_tokens: list[int], new_text: str, error: str | None = None
+    ) -> RequestOutput:
         self.scheduler.finish(request, reason)
         request.error = error
         self.runner.release(request.request_id)
@@ -255,8 +254,12 @@ class Engine:
         self.clock.sleep(max(0.0, min(wakes) - self.clock.now()))
 
     # ---- offline use ---------------------------------------------------------------------
-    def generate(self, prompts: Sequence[str | list[int]], params: SamplingParams | dict | Sequence | None = None,
-                 oracle_output_lens: Sequence[int] | None = None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams | dict | Sequence | None = None,
+        oracle_output_lens: Sequence[int] | None = None,
+    ) -> list[Completion]:
         """Run `prompts` to completion and return them in order. All arrive now and no more
         will come, so a static batch need not wait to fill."""
         per_prompt = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -282,9 +285,18 @@ class Engine:
 
 
 def completion(request: Request, prompt: str | list[int]) -> Completion:
-    return Completion(request.request_id, prompt, request.prompt_token_ids, list(request.output_token_ids), request.text,
-                      request.finish_reason, request.arrival_time, list(request.token_times),
-                      request.num_preemptions, request.error)
+    return Completion(
+        request.request_id,
+        prompt,
+        request.prompt_token_ids,
+        list(request.output_token_ids),
+        request.text,
+        request.finish_reason,
+        request.arrival_time,
+        list(request.token_times),
+        request.num_preemptions,
+        request.error,
+    )
 
 
 def _first_stop(text: str, stops: list[str], new_from: int) -> int | None:

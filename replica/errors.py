@@ -1,8 +1,6 @@
-"""Typed errors. Each says which field or limit was wrong, what was given, and what is allowed."""
+"""The engine's typed errors. Each says which field or limit was wrong, what was given, and what is allowed."""
 
-
-class SlotServeError(Exception):
-    """Base of every error slotserve raises on purpose."""
+from protocol.errors import SlotServeError
 
 
 class InvalidRequestError(SlotServeError, ValueError):

@@ -30,8 +30,16 @@ class KVCacheStats:
 class KVCache:
     """The tensors both layouts share, and the in-place write."""
 
-    def __init__(self, num_layers: int, rows: int, cols: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        rows: int,
+        cols: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+    ):
         shape = (rows, num_kv_heads, cols, head_dim)
         # Zeros, not empty: padded attention rows read cache rows nobody wrote, and must see finite values.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -45,8 +53,16 @@ class KVCache:
 
 
 class SlotKVCache(KVCache):
-    def __init__(self, num_layers: int, num_slots: int, max_seq_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        max_seq_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+    ):
         super().__init__(num_layers, num_slots, max_seq_len, num_kv_heads, head_dim, dtype, device)
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
 
@@ -55,8 +71,10 @@ class SlotKVCache(KVCache):
         if config.kv_cache != "slot":
             return f"the runner's cache is a slot cache; this engine wants kv_cache={config.kv_cache!r}"
         if config.num_slots > self.num_slots or config.max_seq_len > self.max_seq_len:
-            return (f"the runner's cache has {self.num_slots} slots of {self.max_seq_len} tokens; this engine "
-                    f"wants {config.num_slots} of {config.max_seq_len}")
+            return (
+                f"the runner's cache has {self.num_slots} slots of {self.max_seq_len} tokens; this engine "
+                f"wants {config.num_slots} of {config.max_seq_len}"
+            )
         return None
 
     def stats(self, slots: SlotTable) -> KVCacheStats:
@@ -76,8 +94,16 @@ class PagedKVCache(KVCache):
     tables and takes the K/V writes of rows whose result is thrown away (a static batch's held
     rows), so no such write lands in a block another request may share."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+    ):
         super().__init__(num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype, device)
         self.num_blocks, self.block_size, self.scratch_block = num_blocks, block_size, num_blocks
 
@@ -86,6 +112,8 @@ class PagedKVCache(KVCache):
         if config.kv_cache != "paged":
             return f"the runner's cache is a paged cache; this engine wants kv_cache={config.kv_cache!r}"
         if config.block_size != self.block_size or config.num_blocks > self.num_blocks:
-            return (f"the runner's cache has {self.num_blocks} blocks of {self.block_size} tokens; this engine "
-                    f"wants {config.num_blocks} of {config.block_size}")
+            return (
+                f"the runner's cache has {self.num_blocks} blocks of {self.block_size} tokens; this engine "
+                f"wants {config.num_blocks} of {config.block_size}"
+            )
         return None

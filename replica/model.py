@@ -44,17 +44,36 @@ class ModelShape:
         return self.num_layers * (attn + mlp) + self.vocab_size * h
 
     @classmethod
-    def from_hf_config(cls, config) -> "ModelShape":
+    def from_hf_config(cls, config) -> ModelShape:
         if config.model_type == "gpt2":
-            return cls("gpt2", config.vocab_size, config.n_embd, config.n_layer, config.n_head, config.n_head,
-                       config.n_embd // config.n_head, config.n_inner or 4 * config.n_embd,
-                       config.layer_norm_epsilon, config.n_positions)
+            return cls(
+                "gpt2",
+                config.vocab_size,
+                config.n_embd,
+                config.n_layer,
+                config.n_head,
+                config.n_head,
+                config.n_embd // config.n_head,
+                config.n_inner or 4 * config.n_embd,
+                config.layer_norm_epsilon,
+                config.n_positions,
+            )
         rope = getattr(config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls("llama", config.vocab_size, config.hidden_size, config.num_hidden_layers,
-                   config.num_attention_heads, config.num_key_value_heads, head_dim, config.intermediate_size,
-                   config.rms_norm_eps, config.max_position_embeddings, theta)
+        return cls(
+            "llama",
+            config.vocab_size,
+            config.hidden_size,
+            config.num_hidden_layers,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            head_dim,
+            config.intermediate_size,
+            config.rms_norm_eps,
+            config.max_position_embeddings,
+            theta,
+        )
 
 
 class Decoder:
@@ -69,7 +88,9 @@ class Decoder:
         self.w = {k: v for k, v in state.items() if k not in matrices}
         if shape.family == "llama":
             device = state["embed"].device
-            inv_freq = 1.0 / shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim)
+            inv_freq = 1.0 / shape.rope_theta ** (
+                torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim
+            )
             freqs = torch.outer(torch.arange(shape.max_positions, dtype=torch.float32), inv_freq)
             angles = torch.cat([freqs, freqs], dim=-1)
             self.rope_cos = angles.cos().to(device, self.dtype)
@@ -77,8 +98,9 @@ class Decoder:
 
     # ---- building from Hugging Face ------------------------------------------------------
     @classmethod
-    def from_hf(cls, hf_model, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                pack_weights: bool = True) -> "Decoder":
+    def from_hf(
+        cls, hf_model, dtype: torch.dtype = torch.float32, device: str = "cpu", pack_weights: bool = True
+    ) -> Decoder:
         shape = ModelShape.from_hf_config(hf_model.config)
         sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
         state = _gpt2_state(sd, shape) if shape.family == "gpt2" else _llama_state(sd, shape)
@@ -87,7 +109,9 @@ class Decoder:
     # ---- the forward pass ---------------------------------------------------------------
     def _norm(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         if self.shape.family == "gpt2":
-            return F.layer_norm(x, (x.shape[-1],), self.w[prefix + ".weight"], self.w[prefix + ".bias"], self.shape.norm_eps)
+            return F.layer_norm(
+                x, (x.shape[-1],), self.w[prefix + ".weight"], self.w[prefix + ".bias"], self.shape.norm_eps
+            )
         return F.rms_norm(x, (x.shape[-1],), self.w[prefix + ".weight"], self.shape.norm_eps)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -94,5 +94,7 @@ def load_hf_model(model: str, seed: int = 0):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     family = hf.config.model_type
     if family not in SUPPORTED_FAMILIES:
-        raise ConfigError(f"model family {family!r} of {path} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
+        raise ConfigError(
+            f"model family {family!r} of {path} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}"
+        )
     return hf.eval(), AutoTokenizer.from_pretrained(path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from replica.attention import AttentionGroup, AttentionMetadata, PagedAttentionMetadata, build_group
+from replica.config import EngineConfig
 from replica.kv_cache import PagedKVCache, SlotKVCache
 from replica.model import Decoder
 from replica.model_loader import load_hf_model
@@ -18,34 +19,34 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def pick_device(device: str) -> str:
-    """"auto" takes the GPU when there is one."""
+    """ "auto" takes the GPU when there is one."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
 
 
 class ModelRunner:
-    def __init__(self, model: str, num_slots: int, max_seq_len: int, dtype: str = "float32",
-                 device: str = "auto", seed: int = 0, kv_cache: str = "slot", block_size: int = 16,
-                 num_blocks: int | None = None):
-        """kv_cache "slot": num_slots rows of max_seq_len tokens; "paged": num_blocks blocks of
-        block_size tokens (default: the same memory, num_slots * max_seq_len tokens)."""
-        self.device = pick_device(device)
-        hf, self.tokenizer = load_hf_model(model, seed=seed)
-        self.model = Decoder.from_hf(hf, DTYPES[dtype], self.device)
+    def __init__(self, config: EngineConfig):
+        """The model of `config` on its device and dtype, and a K/V cache for its slots (kv_cache
+        "slot": num_slots rows of max_seq_len tokens; "paged": num_blocks blocks of block_size
+        tokens, by default the same memory)."""
+        self.device = pick_device(config.device)
+        hf, self.tokenizer = load_hf_model(config.model, seed=config.seed)
+        self.model = Decoder.from_hf(hf, DTYPES[config.dtype], self.device)
         shape = self.model.shape
         self.vocab_size, self.max_model_len = shape.vocab_size, shape.max_positions
         eos = hf.generation_config.eos_token_id if hf.generation_config is not None else None
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_token_ids = {t for t in (*eos, self.tokenizer.eos_token_id) if t is not None}
         del hf
-        kv_shape = (shape.num_kv_heads, shape.head_dim, DTYPES[dtype], self.device)
-        if kv_cache == "paged":
-            num_blocks = num_blocks or num_slots * max_seq_len // block_size
-            self.cache: SlotKVCache | PagedKVCache = PagedKVCache(shape.num_layers, num_blocks, block_size, *kv_shape)
+        kv_shape = (shape.num_kv_heads, shape.head_dim, DTYPES[config.dtype], self.device)
+        if config.kv_cache == "paged":
+            self.cache: SlotKVCache | PagedKVCache = PagedKVCache(
+                shape.num_layers, config.num_blocks, config.block_size, *kv_shape
+            )
         else:
-            self.cache = SlotKVCache(shape.num_layers, num_slots, max_seq_len, *kv_shape)
-        self.sampler = Sampler(seed)
+            self.cache = SlotKVCache(shape.num_layers, config.num_slots, config.max_seq_len, *kv_shape)
+        self.sampler = Sampler(config.seed)
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
@@ -86,24 +87,42 @@ class ModelRunner:
             owners = [c.request for c in out.chunks] + list(out.held_rows)
             meta = self._paged_metadata(owners, slots, positions, offsets, single, num_useful, q_per_kv)
         else:
-            meta = AttentionMetadata(self._tensor(slots), self._groups(slots, offsets, positions, single, q_per_kv),
-                                     q_per_kv)
-        logits = self.model.forward(self._tensor(ids), self._tensor(positions), meta, self.cache,
-                                    self._tensor(logit_rows))
+            meta = AttentionMetadata(
+                self._tensor(slots), self._groups(slots, offsets, positions, single, q_per_kv), q_per_kv
+            )
+        logits = self.model.forward(
+            self._tensor(ids), self._tensor(positions), meta, self.cache, self._tensor(logit_rows)
+        )
         return self.sampler.sample(logits, [c.request for c in out.chunks if c.samples])
 
-    def _groups(self, seqs: list[int], offsets: list[int], positions: list[int], single: list[bool],
-                q_per_kv: int) -> list[AttentionGroup]:
+    def _groups(
+        self, seqs: list[int], offsets: list[int], positions: list[int], single: list[bool], q_per_kv: int
+    ) -> list[AttentionGroup]:
         """Two attention groups, so single-token rows are not padded to a long prefill chunk.
         seqs: each row's sequence (its slot, or its number in the paged cache's gathered copy)."""
         return [
-            build_group(rows, [seqs[i] for i in rows], [offsets[i] for i in rows], [positions[i] for i in rows],
-                        q_per_kv, self.device)
-            for flag in (True, False) if (rows := [i for i, s in enumerate(single) if s is flag])
+            build_group(
+                rows,
+                [seqs[i] for i in rows],
+                [offsets[i] for i in rows],
+                [positions[i] for i in rows],
+                q_per_kv,
+                self.device,
+            )
+            for flag in (True, False)
+            if (rows := [i for i, s in enumerate(single) if s is flag])
         ]
 
-    def _paged_metadata(self, owners: list[Request], slots: list[int], positions: list[int], offsets: list[int],
-                        single: list[bool], num_useful: int, q_per_kv: int) -> PagedAttentionMetadata:
+    def _paged_metadata(
+        self,
+        owners: list[Request],
+        slots: list[int],
+        positions: list[int],
+        offsets: list[int],
+        single: list[bool],
+        num_useful: int,
+        q_per_kv: int,
+    ) -> PagedAttentionMetadata:
         """Where each row writes (block, offset) and how the step's sequences' blocks are
         gathered. Held rows write to the scratch block: their result is thrown away, and their
         last block may be a full one other requests share."""
@@ -114,11 +133,14 @@ class ModelRunner:
         number = {s: n for n, s in enumerate(order)}
         width = -(-(max(positions) + 1) // block_size)
         tables = [by_slot[s].block_table[:width] for s in order]
-        block_ids = [by_slot[s].block_table[p // block_size] if i < num_useful else scratch
-                     for i, (s, p) in enumerate(zip(slots, positions))]
+        block_ids = [
+            by_slot[s].block_table[p // block_size] if i < num_useful else scratch
+            for i, (s, p) in enumerate(zip(slots, positions))
+        ]
         seqs = [number[s] for s in slots]
         return PagedAttentionMetadata(
-            self._tensor(block_ids), self._tensor([p % block_size for p in positions]),
+            self._tensor(block_ids),
+            self._tensor([p % block_size for p in positions]),
             self._tensor([t + [scratch] * (width - len(t)) for t in tables]),
             AttentionMetadata(self._tensor(seqs), self._groups(seqs, offsets, positions, single, q_per_kv), q_per_kv),
         )

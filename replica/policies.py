@@ -4,10 +4,10 @@ between two runs is the policy and nothing else."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
-from replica.clock import Clock
-from replica.errors import ConfigError
+from protocol.clock import Clock
+from protocol.registry import Registry
 from replica.request import Request
 from replica.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 
@@ -34,6 +34,7 @@ class ChunkedScheduler(Scheduler):
     a prompt that does not fit continues next step."""
 
     name = "chunked"
+    reads_token_budget = True
 
     def _token_budget(self) -> float:
         return self.config.token_budget
@@ -79,17 +80,21 @@ class BucketedScheduler(StaticScheduler):
         return sorted(self.waiting, key=lambda r: r.oracle_output_len or r.params.max_tokens)
 
 
-POLICIES: dict[str, type[Scheduler]] = {
-    cls.name: cls
-    for cls in (StaticScheduler, DynamicScheduler, ContinuousScheduler, MixedScheduler, ChunkedScheduler, BucketedScheduler)
-}
+POLICIES: Registry[type[Scheduler]] = Registry(
+    "batching policy",
+    {
+        cls.name: cls
+        for cls in (
+            StaticScheduler,
+            DynamicScheduler,
+            ContinuousScheduler,
+            MixedScheduler,
+            ChunkedScheduler,
+            BucketedScheduler,
+        )
+    },
+)
 
 
 def make_scheduler(policy: str, config: SchedulerConfig, clock: Clock) -> Scheduler:
-    try:
-        cls = POLICIES[policy]
-    except KeyError:
-        raise ConfigError(f"unknown batching policy {policy!r}; choose one of {', '.join(POLICIES)}") from None
-    return cls(config, clock)
-
-
+    return POLICIES[policy](config, clock)

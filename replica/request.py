@@ -54,7 +54,7 @@ class SamplingParams(BaseModel):
         return self.temperature == 0.0
 
     @classmethod
-    def parse(cls, params: "SamplingParams | dict[str, Any] | None") -> "SamplingParams":
+    def parse(cls, params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
         """Validate user input, turning pydantic's report into an error naming the field."""
         if params is None:
             return cls()

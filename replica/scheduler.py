@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from protocol.clock import Clock
 from replica.block_manager import PagedSlotTable
-from replica.clock import Clock
 from replica.errors import InvariantViolation
 from replica.request import FinishReason, Request, RequestStatus
 from replica.slot_table import SlotTable
@@ -28,11 +29,16 @@ class SchedulerConfig(BaseModel):
 
     num_slots: int = Field(8, gt=0, description="rows of the K/V cache = most requests running at once")
     max_seq_len: int = Field(512, gt=1, description="K/V tokens one slot holds")
-    kv_budget_tokens: int | None = Field(None, gt=0, description="K/V tokens for all slots together (default: all full)")
+    kv_budget_tokens: int | None = Field(
+        None, gt=0, description="K/V tokens for all slots together (default: all full)"
+    )
     token_budget: int = Field(256, gt=0, description="`chunked`: tokens per step, decodes first, then prefill chunks")
-    max_wait: float = Field(0.5, ge=0.0, description="`dynamic`: seconds the oldest waiting request may wait for a full batch")
+    max_wait: float = Field(
+        0.5, ge=0.0, description="`dynamic`: seconds the oldest waiting request may wait for a full batch"
+    )
     kv_cache: Literal["slot", "paged"] = Field(
-        "slot", description='"slot": each request reserves a max_seq_len row; "paged": blocks taken as it grows')
+        "slot", description='"slot": each request reserves a max_seq_len row; "paged": blocks taken as it grows'
+    )
     block_size: int = Field(16, gt=0, description="`paged`: K/V tokens per block")
     prefix_caching: bool = Field(False, description="`paged`: requests share the blocks of identical prompt prefixes")
 
@@ -42,7 +48,7 @@ class SchedulerConfig(BaseModel):
         return (self.kv_budget_tokens or self.num_slots * self.max_seq_len) // self.block_size
 
     @model_validator(mode="after")
-    def _paged_options(self) -> "SchedulerConfig":
+    def _paged_options(self) -> SchedulerConfig:
         if self.prefix_caching and self.kv_cache != "paged":
             raise ValueError("prefix_caching shares blocks, so it needs kv_cache='paged'")
         if self.kv_cache == "paged" and self.num_blocks == 0:
@@ -90,8 +96,9 @@ class SchedulerOutput:
         a chunk of n tokens from position s adds n*s + n(n+1)/2, and a padding row of a static
         batch its whole context. The attention work, which grows with context unlike the
         weight reads; a cost model's feature."""
-        return sum(c.num_tokens * c.start + c.num_tokens * (c.num_tokens + 1) // 2 for c in self.chunks) \
-            + sum(r.num_computed_tokens for r in self.held_rows)
+        return sum(c.num_tokens * c.start + c.num_tokens * (c.num_tokens + 1) // 2 for c in self.chunks) + sum(
+            r.num_computed_tokens for r in self.held_rows
+        )
 
 
 class Scheduler:
@@ -100,13 +107,16 @@ class Scheduler:
     name = "mixed"
     # Static batching keeps a finished request's row (and slot) until its whole batch is done.
     holds_finished_rows = False
+    # Whether the policy overrides `_token_budget` (a token_budget sweep means nothing otherwise).
+    reads_token_budget = False
 
     def __init__(self, config: SchedulerConfig, clock: Clock):
         self.config = config
         self.clock = clock
         if config.kv_cache == "paged":
-            self.slots: SlotTable = PagedSlotTable(config.num_slots, config.max_seq_len, config.num_blocks,
-                                                   config.block_size, config.prefix_caching)
+            self.slots: SlotTable = PagedSlotTable(
+                config.num_slots, config.max_seq_len, config.num_blocks, config.block_size, config.prefix_caching
+            )
         else:
             self.slots = SlotTable(config.num_slots, config.max_seq_len, config.kv_budget_tokens)
         self.waiting: deque[Request] = deque()
@@ -246,7 +256,9 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING or self.slots.owner(request.slot) is not request:
                 raise InvariantViolation(f"running {request.request_id} does not own slot {request.slot}")
             if not 0 <= request.num_computed_tokens <= request.num_tokens:
-                raise InvariantViolation(f"{request.request_id} computed {request.num_computed_tokens} of {request.num_tokens}")
+                raise InvariantViolation(
+                    f"{request.request_id} computed {request.num_computed_tokens} of {request.num_tokens}"
+                )
         for request in self.held:
             if not request.is_finished or self.slots.owner(request.slot) is not request:
                 raise InvariantViolation(f"held {request.request_id} is not a finished slot owner")

@@ -10,13 +10,15 @@ thread (torch releases the GIL inside its kernels, so the event loop keeps strea
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from replica.engine import Engine, EngineConfig, RequestOutput, StepRecord
+from protocol.messages import LoadReport
+from replica.config import EngineConfig
+from replica.engine import Engine, RequestOutput, StepRecord
 from replica.request import SamplingParams
 
 
@@ -25,13 +27,14 @@ class ReplicaConfig(BaseModel):
 
     engine: EngineConfig = Field(default_factory=EngineConfig)
     fake_step_seconds: float | None = Field(
-        None, gt=0, description="serve the flat-cost fake model (every step this long) instead of a real one")
+        None, gt=0, description="serve the flat-cost fake model (every step this long) instead of a real one"
+    )
 
 
 def build_engine(config: ReplicaConfig) -> Engine:
     if config.fake_step_seconds is None:
         return Engine(config.engine)
-    from replica.clock import WallClock
+    from protocol.clock import WallClock
     from replica.fake_model import FlatCostModel, ScriptedFakeRunner
 
     clock = WallClock()
@@ -43,39 +46,24 @@ def build_engine(config: ReplicaConfig) -> Engine:
 REPORT_INTERVAL = 0.02
 
 
-@dataclass
-class LoadSnapshot:
-    queue_depth: int
-    running: int
-    free_slots: int
-    num_slots: int
-    free_kv_tokens: int
-    time: float
-
-
-def load_snapshot(engine: Engine, queued: int = 0) -> LoadSnapshot:
+def load_report(engine: Engine, replica_id: str, queued: int = 0) -> LoadReport:
     """The engine's load at a step boundary; `queued` counts submissions not yet in its queue."""
     s = engine.scheduler
-    return LoadSnapshot(len(s.waiting) + queued, len(s.running), s.slots.num_free_slots, s.slots.num_slots,
-                        s.slots.free_kv_tokens, engine.clock.now())
+    return LoadReport(
+        replica_id,
+        len(s.waiting) + queued,
+        len(s.running),
+        s.slots.num_free_slots,
+        s.slots.num_slots,
+        s.slots.free_kv_tokens,
+        engine.clock.now(),
+    )
 
 
-def report_due(load: LoadSnapshot, since_last: float) -> bool:
-    """Whether a replica sends this snapshot to the router (the cluster and the simulator
+def report_due(load: LoadReport, since_last: float) -> bool:
+    """Whether a replica sends this report to the router (the cluster and the simulator
     throttle alike): always when idle, else at most every REPORT_INTERVAL."""
     return not load.running or since_last >= REPORT_INTERVAL
-
-
-def step_row(replica_id: str, record: StepRecord, num_slots: int) -> dict:
-    """A step record as a row of the metrics store's `steps` table."""
-    return {
-        "replica_id": replica_id, "step": record.step, "time": record.start, "duration": record.duration,
-        "live_slots": record.live_slots, "num_slots": num_slots, "queue_depth": record.queue_depth,
-        "decode_tokens": record.num_decode_tokens, "prefill_tokens": record.num_prefill_tokens,
-        "context_tokens": record.context_tokens, "useful_rows": record.useful_rows,
-        "computed_rows": record.computed_rows,
-        "preemptions": record.num_preemptions,
-    }
 
 
 @dataclass
@@ -89,10 +77,16 @@ class _Submission:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, on_step: Callable[[StepRecord], None] | None = None,
-                 on_finish: Callable[[RequestOutput], None] | None = None,
-                 on_load: Callable[[LoadSnapshot], None] | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        on_step: Callable[[StepRecord], None] | None = None,
+        on_finish: Callable[[RequestOutput], None] | None = None,
+        on_load: Callable[[LoadReport], None] | None = None,
+        replica_id: str = "replica",
+    ):
         self.engine = engine
+        self.replica_id = replica_id
         self._on_step = on_step or (lambda record: None)
         self._on_finish = on_finish or (lambda output: None)
         self._on_load = on_load or (lambda load: None)
@@ -109,8 +103,14 @@ class AsyncEngine:
         self._arrivals_done = done
         self._wake.set()
 
-    async def submit(self, prompt: str | list[int], params: SamplingParams | dict | None, request_id: str,
-                     arrival_time: float | None, sink: Callable[[RequestOutput], None]) -> None:
+    async def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | dict | None,
+        request_id: str,
+        arrival_time: float | None,
+        sink: Callable[[RequestOutput], None],
+    ) -> None:
         """Queue a request; once accepted, each of its outputs is passed to `sink` on the event
         loop as steps make them, the last with finished=True. Raises InvalidRequestError when
         the engine refuses it."""
@@ -122,8 +122,13 @@ class AsyncEngine:
         self._wake.set()
         await sub.accepted
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | dict | None, request_id: str,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | dict | None,
+        request_id: str,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """`submit` as an async iterator of this request's outputs."""
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         await self.submit(prompt, params, request_id, arrival_time, outputs.put_nowait)
@@ -141,8 +146,8 @@ class AsyncEngine:
         self._inbox.append(request_id)
         self._wake.set()
 
-    def load(self) -> LoadSnapshot:
-        return load_snapshot(self.engine, sum(isinstance(i, _Submission) for i in self._inbox))
+    def load(self) -> LoadReport:
+        return load_report(self.engine, self.replica_id, sum(isinstance(i, _Submission) for i in self._inbox))
 
     def _apply_inbox(self) -> None:
         inbox, self._inbox = self._inbox, []

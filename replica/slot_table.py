@@ -104,7 +104,8 @@ class SlotTable:
         self._check_slots()
         if sum(self._held.values()) != self.used_kv_tokens or self.used_kv_tokens > self.kv_budget_tokens:
             raise InvariantViolation(
-                f"K/V tokens held {sum(self._held.values())}, counted {self.used_kv_tokens}, budget {self.kv_budget_tokens}"
+                f"K/V tokens held {sum(self._held.values())}, counted {self.used_kv_tokens}, "
+                f"budget {self.kv_budget_tokens}"
             )
 
     def _check_slots(self) -> None:
@@ -117,4 +118,6 @@ class SlotTable:
             raise InvariantViolation(f"free {len(free)} + used {len(self._owner)} != {self.num_slots} slots")
         for slot, request in self._owner.items():
             if request.slot != slot:
-                raise InvariantViolation(f"slot {slot} owned by {request.request_id}, which thinks it has {request.slot}")
+                raise InvariantViolation(
+                    f"slot {slot} owned by {request.request_id}, which thinks it has {request.slot}"
+                )

@@ -5,12 +5,22 @@ run in the cluster and in the simulator. The Ray actor around them lives in `rou
 which is not imported here, so importing `router` does not import Ray.
 """
 
+from protocol.messages import LoadReport
 from router.errors import RoutingError
-from router.load import LoadReport, LoadView, ReplicaView, RouteRequest
+from router.load import LoadView, ReplicaView, RouteRequest
 from router.policies import DEFAULT_POLICY, ROUTING_POLICIES, RoutingPolicy, make_routing_policy
-from router.router import Clock, Decision, Router, SystemClock
+from router.router import Decision, Router
 
 __all__ = [
-    "DEFAULT_POLICY", "ROUTING_POLICIES", "Clock", "Decision", "LoadReport", "LoadView", "ReplicaView",
-    "RouteRequest", "Router", "RoutingError", "RoutingPolicy", "SystemClock", "make_routing_policy",
+    "DEFAULT_POLICY",
+    "ROUTING_POLICIES",
+    "Decision",
+    "LoadReport",
+    "LoadView",
+    "ReplicaView",
+    "RouteRequest",
+    "Router",
+    "RoutingError",
+    "RoutingPolicy",
+    "make_routing_policy",
 ]

@@ -11,14 +11,13 @@ synchronous actor took 1.3-1.6x the calls per second of an async one
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 
 import ray
 from ray.actor import ActorHandle
 
-from router.load import LoadReport, RouteRequest
+from protocol.messages import LoadReport
+from router.load import RouteRequest
 from router.policies import DEFAULT_POLICY
 from router.router import Decision, Router
 
@@ -28,26 +27,17 @@ FLUSH_EVERY = 100
 logger = logging.getLogger(__name__)
 
 
-def decision_row(decision: Decision) -> dict:
-    """A decision as the store takes it: dicts as JSON strings, an infinite score (a replica
-    power_of_two did not sample) as null."""
-    scores = {k: v if math.isfinite(v) else None for k, v in decision.scores.items()}
-    return {
-        "request_id": decision.request_id,
-        "time": decision.time,
-        "policy": decision.policy,
-        "replica_id": decision.replica_id,
-        "scores": json.dumps(scores),
-        "signal_age": decision.signal_age,
-        "in_flight": json.dumps(decision.in_flight),
-    }
-
-
 @ray.remote(num_cpus=0)
 class RouterActor:
-    def __init__(self, replica_handles: dict[str, ActorHandle], policy: str = DEFAULT_POLICY, seed: int = 0,
-                 store: ActorHandle | None = None, flush_every: int = FLUSH_EVERY):
-        """`store`, if given, receives `add_decisions.remote(run_id, rows)` every `flush_every`
+    def __init__(
+        self,
+        replica_handles: dict[str, ActorHandle],
+        policy: str = DEFAULT_POLICY,
+        seed: int = 0,
+        store: ActorHandle | None = None,
+        flush_every: int = FLUSH_EVERY,
+    ):
+        """`store`, if given, receives `add_decision_records.remote(run_id, decisions)` every `flush_every`
         decisions and on `flush()`. Decisions are recorded only inside a run (from
         `set_run(run_id)` to `set_run(None)`), like the replicas' step samples."""
         self._handles = dict(replica_handles)
@@ -55,7 +45,7 @@ class RouterActor:
         self._store = store
         self._flush_every = flush_every
         self._run_id: int | None = None
-        self._rows: list[dict] = []  # all belong to the current run
+        self._rows: list[Decision] = []  # all belong to the current run
         self._write: tuple[ray.ObjectRef, int] | None = None  # newest store write and its row count
         self._store_errors = 0
         self._decisions_lost = 0
@@ -84,8 +74,8 @@ class RouterActor:
         """Switch routing policy between runs (see `Router.set_policy`)."""
         self._router.set_policy(policy)
 
-    def report(self, load_report: dict) -> bool:
-        return self._router.report(LoadReport.from_dict(load_report))
+    def report(self, load_report: LoadReport) -> bool:
+        return self._router.report(load_report)
 
     def status(self) -> dict:
         return {
@@ -115,7 +105,7 @@ class RouterActor:
     def _take_decisions(self) -> None:
         decisions = self._router.drain_decisions()
         if self._store is not None and self._run_id is not None:
-            self._rows.extend(decision_row(d) for d in decisions)
+            self._rows.extend(decisions)
 
     def _start_write(self) -> tuple[ray.ObjectRef, int] | None:
         """Send the buffered rows as one write and return the write it replaces as newest, for
@@ -123,7 +113,7 @@ class RouterActor:
         routing down a little instead of growing the actor's memory."""
         previous, self._write = self._write, None
         if self._rows:
-            self._write = (self._store.add_decisions.remote(self._run_id, self._rows), len(self._rows))
+            self._write = (self._store.add_decision_records.remote(self._run_id, self._rows), len(self._rows))
             self._rows = []
         return previous
 

@@ -28,31 +28,10 @@ no slot is known to be free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
+from protocol.messages import LoadReport
 from router.errors import RoutingError
-
-
-@dataclass(frozen=True)
-class LoadReport:
-    """What a replica says about itself; `time` is when the replica took the report."""
-
-    replica_id: str
-    queue_depth: int
-    running: int
-    free_slots: int
-    num_slots: int
-    free_kv_tokens: int
-    time: float
-
-    @classmethod
-    def from_dict(cls, data: dict) -> LoadReport:
-        """Build from a dict (as sent over Ray), naming missing or unknown fields."""
-        names = {f.name for f in fields(cls)}
-        missing, unknown = sorted(names - data.keys()), sorted(data.keys() - names)
-        if missing or unknown:
-            raise RoutingError(f"invalid load report: missing fields {missing}, unknown fields {unknown}")
-        return cls(**data)
 
 
 @dataclass(frozen=True)

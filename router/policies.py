@@ -15,7 +15,7 @@ import math
 import random
 from collections import OrderedDict
 
-from router.errors import RoutingError
+from protocol.registry import Registry
 from router.load import ReplicaView, RouteRequest
 
 
@@ -136,17 +136,16 @@ class SessionAffinity(RoutingPolicy):
         return index, scores
 
 
-ROUTING_POLICIES: dict[str, type[RoutingPolicy]] = {
-    cls.name: cls
-    for cls in (RoundRobin, RandomChoice, LeastQueue, MostFreeSlots, LeastLoaded, PowerOfTwo, SessionAffinity)
-}
+ROUTING_POLICIES: Registry[type[RoutingPolicy]] = Registry(
+    "routing policy",
+    {
+        cls.name: cls
+        for cls in (RoundRobin, RandomChoice, LeastQueue, MostFreeSlots, LeastLoaded, PowerOfTwo, SessionAffinity)
+    },
+)
 
 DEFAULT_POLICY = LeastLoaded.name
 
 
 def make_routing_policy(name: str, seed: int = 0) -> RoutingPolicy:
-    try:
-        cls = ROUTING_POLICIES[name]
-    except KeyError:
-        raise RoutingError(f"unknown routing policy {name!r}; choose one of {', '.join(ROUTING_POLICIES)}") from None
-    return cls(seed=seed)
+    return ROUTING_POLICIES[name](seed=seed)

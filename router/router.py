@@ -5,27 +5,14 @@ around it (router/actor.py); tests and the simulator use it directly with a virt
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Protocol
 
+from protocol.clock import Clock, WallClock
+from protocol.messages import LoadReport
 from router.errors import RoutingError
-from router.load import LoadReport, LoadView, RouteRequest
+from router.load import LoadView, RouteRequest
 from router.policies import DEFAULT_POLICY, make_routing_policy
-
-
-class Clock(Protocol):
-    def now(self) -> float: ...
-
-
-class SystemClock:
-    """Seconds since the epoch. Not a monotonic clock: report ages compare the router's time
-    with a replica's report time, taken in another process, and only the epoch clock is
-    shared between processes on one machine."""
-
-    def now(self) -> float:
-        return time.time()
 
 
 @dataclass(frozen=True)
@@ -44,15 +31,21 @@ class Decision:
 
 
 class Router:
-    def __init__(self, replica_ids: list[str], policy: str = DEFAULT_POLICY, clock: Clock | None = None,
-                 seed: int = 0, max_decisions: int = 10_000):
+    def __init__(
+        self,
+        replica_ids: list[str],
+        policy: str = DEFAULT_POLICY,
+        clock: Clock | None = None,
+        seed: int = 0,
+        max_decisions: int = 10_000,
+    ):
         """`max_decisions` bounds the undrained decision log; past it the oldest are dropped
         and counted in `decisions_dropped`."""
         if not replica_ids:
             raise RoutingError("a router needs at least one replica; got none")
         self.seed = seed
         self.policy = make_routing_policy(policy, seed)
-        self.clock = clock or SystemClock()
+        self.clock = clock or WallClock()
         self.load = LoadView(replica_ids)
         self._decisions: deque[Decision] = deque(maxlen=max_decisions)
         self.decisions_dropped = 0
@@ -99,6 +92,8 @@ class Router:
 
     def report(self, load: LoadReport) -> bool:
         """A replica's load report; returns whether it was kept (not stale, replica known)."""
+        if not isinstance(load, LoadReport):
+            raise RoutingError(f"a load report must be a LoadReport, got {type(load).__name__}")
         return self.load.update(load)
 
     def drain_decisions(self) -> list[Decision]:

@@ -42,9 +42,17 @@ def tiny_qwen2_dir(tmp_path_factory) -> str:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=TINY_VOCAB, max_position_embeddings=512,
-                         initializer_range=0.2, tie_word_embeddings=False)
+    config = Qwen2Config(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=TINY_VOCAB,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
     model = Qwen2ForCausalLM(config).eval()
     with torch.no_grad():  # Qwen2 has Q/K/V biases; random ones make the test cover them
         for layer in model.model.layers:

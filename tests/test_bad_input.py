@@ -1,3 +1,4 @@
+# Over 400 lines: one table of bad inputs per entry point; splitting it would scatter the table.
 """Bad input never kills the engine: each is refused with an InvalidRequestError naming the
 field, leaves nothing queued, and valid requests around it are served as usual. A step whose
 runner raises fails only that step's requests. Also the Sampler, on small logits tensors."""
@@ -9,8 +10,9 @@ import math
 import pytest
 import torch
 
-from replica.clock import FakeClock
-from replica.engine import Engine, EngineConfig
+from protocol.clock import FakeClock
+from replica.config import EngineConfig
+from replica.engine import Engine
 from replica.errors import InvalidRequestError, RequestTooLongError
 from replica.fake_model import ScriptedFakeRunner
 from replica.policies import POLICIES
@@ -68,7 +70,7 @@ def expected_tokens(runner: ScriptedFakeRunner, prompt: list[int], n: int) -> li
     seq = list(prompt)
     for _ in range(n):
         seq.append(runner.next_token(seq))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 def run_all(engine: Engine, max_steps: int = 500) -> dict:
@@ -95,18 +97,40 @@ LONG_PROMPT = [1] * MAX_SEQ_LEN
 BAD_INPUTS = [
     ("empty-string-prompt", dict(prompt=""), InvalidRequestError, "prompt", ["token ids"]),
     ("empty-list-prompt", dict(prompt=[]), InvalidRequestError, "prompt", ["empty"]),
-    ("prompt-too-long", dict(prompt=LONG_PROMPT, params={"max_tokens": 1}), RequestTooLongError, "prompt",
-     ["64 tokens", "65", "limit of 64"]),
-    ("max-tokens-over-limit", dict(prompt=[1] * 10, params={"max_tokens": 60}), RequestTooLongError, "max_tokens",
-     ["10 tokens", "60", "70", "limit of 64"]),
+    (
+        "prompt-too-long",
+        dict(prompt=LONG_PROMPT, params={"max_tokens": 1}),
+        RequestTooLongError,
+        "prompt",
+        ["64 tokens", "65", "limit of 64"],
+    ),
+    (
+        "max-tokens-over-limit",
+        dict(prompt=[1] * 10, params={"max_tokens": 60}),
+        RequestTooLongError,
+        "max_tokens",
+        ["10 tokens", "60", "70", "limit of 64"],
+    ),
     ("max-tokens-zero", dict(params={"max_tokens": 0}), InvalidRequestError, "max_tokens", ["greater than 0", "0"]),
-    ("max-tokens-negative", dict(params={"max_tokens": -3}), InvalidRequestError, "max_tokens", ["greater than 0", "-3"]),
+    (
+        "max-tokens-negative",
+        dict(params={"max_tokens": -3}),
+        InvalidRequestError,
+        "max_tokens",
+        ["greater than 0", "-3"],
+    ),
     ("max-tokens-string", dict(params={"max_tokens": "10"}), InvalidRequestError, "max_tokens", ["integer", "'10'"]),
     ("max-tokens-bool", dict(params={"max_tokens": True}), InvalidRequestError, "max_tokens", ["integer"]),
     ("temperature-negative", dict(params={"temperature": -0.5}), InvalidRequestError, "temperature", ["-0.5"]),
     ("temperature-nan", dict(params={"temperature": math.nan}), InvalidRequestError, "temperature", ["nan"]),
     ("temperature-inf", dict(params={"temperature": math.inf}), InvalidRequestError, "temperature", ["finite"]),
-    ("temperature-string", dict(params={"temperature": "hot"}), InvalidRequestError, "temperature", ["number", "'hot'"]),
+    (
+        "temperature-string",
+        dict(params={"temperature": "hot"}),
+        InvalidRequestError,
+        "temperature",
+        ["number", "'hot'"],
+    ),
     ("top-p-zero", dict(params={"top_p": 0.0}), InvalidRequestError, "top_p", ["greater than 0"]),
     ("top-p-above-one", dict(params={"top_p": 1.5}), InvalidRequestError, "top_p", ["less than or equal to 1", "1.5"]),
     ("top-k-negative", dict(params={"top_k": -1}), InvalidRequestError, "top_k", ["-1"]),
@@ -115,9 +139,20 @@ BAD_INPUTS = [
     ("stop-int", dict(params={"stop": 5}), InvalidRequestError, "stop", ["string", "int"]),
     ("stop-empty-string", dict(params={"stop": [""]}), InvalidRequestError, "stop", ["empty"]),
     ("stop-string-without-tokenizer", dict(params={"stop": "\n"}), InvalidRequestError, "stop", ["tokenizer"]),
-    ("stop-token-ids-strings", dict(params={"stop_token_ids": ["a"]}), InvalidRequestError, "stop_token_ids.0",
-     ["integer"]),
-    ("unknown-param", dict(params={"max_token": 3}), InvalidRequestError, "max_token", ["unknown parameter", "max_tokens"]),
+    (
+        "stop-token-ids-strings",
+        dict(params={"stop_token_ids": ["a"]}),
+        InvalidRequestError,
+        "stop_token_ids.0",
+        ["integer"],
+    ),
+    (
+        "unknown-param",
+        dict(params={"max_token": 3}),
+        InvalidRequestError,
+        "max_token",
+        ["unknown parameter", "max_tokens"],
+    ),
     ("params-string", dict(params="max_tokens=3"), InvalidRequestError, "params", ["dict", "str"]),
     ("params-list", dict(params=[("max_tokens", 3)]), InvalidRequestError, "params", ["dict", "list"]),
     ("prompt-int", dict(prompt=5), InvalidRequestError, "prompt", ["int"]),
@@ -145,8 +180,9 @@ def submit_bad(engine: Engine, kwargs: dict, error, field: str, fragments: list[
         assert fragment in message, f"{fragment!r} not in {message!r}"
 
 
-@pytest.mark.parametrize("kwargs,error,field,fragments", [case[1:] for case in BAD_INPUTS],
-                         ids=[case[0] for case in BAD_INPUTS])
+@pytest.mark.parametrize(
+    "kwargs,error,field,fragments", [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS]
+)
 def test_bad_input_rejected_and_engine_keeps_serving(kwargs, error, field, fragments):
     """Each bad input raises its typed error naming the field (with the given value or limit in
     the message), queues nothing, and the valid requests submitted before and after it are
@@ -179,8 +215,11 @@ def test_too_long_names_kv_budget_when_it_binds():
     """When the K/V budget is below max_seq_len, the length limit is the budget and the error
     says so."""
     clock = FakeClock()
-    engine = Engine(EngineConfig(policy="mixed", num_slots=2, max_seq_len=64, kv_budget_tokens=20),
-                    runner=ScriptedFakeRunner(clock, vocab_size=VOCAB), clock=clock)
+    engine = Engine(
+        EngineConfig(policy="mixed", num_slots=2, max_seq_len=64, kv_budget_tokens=20),
+        runner=ScriptedFakeRunner(clock, vocab_size=VOCAB),
+        clock=clock,
+    )
     with pytest.raises(RequestTooLongError) as info:
         engine.add_request([1] * 15, {"max_tokens": 6})
     assert info.value.field == "max_tokens" and "limit of 20" in str(info.value) and "budget 20" in str(info.value)
@@ -206,8 +245,7 @@ def test_duplicate_request_id_rejected_original_untouched():
     engine.add_request([1, 2, 3], {"max_tokens": 4, "ignore_eos": True}, request_id="dup")
     original = engine.requests["dup"]
     engine.step()
-    submit_bad(engine, {"request_id": "dup", "prompt": [9, 9]}, InvalidRequestError, "request_id",
-               ["dup", "already"])
+    submit_bad(engine, {"request_id": "dup", "prompt": [9, 9]}, InvalidRequestError, "request_id", ["dup", "already"])
     assert engine.requests["dup"] is original and len(engine.scheduler.running) == 1
     finals = run_all(engine)
     assert finals["dup"].finish_reason is FinishReason.LENGTH
@@ -274,13 +312,16 @@ def test_generate_still_works_after_rejections():
     engine, runner = make_engine()
     with pytest.raises(InvalidRequestError):
         engine.generate([[]], {"max_tokens": 2})
-    done = engine.generate([[1, 2], [3]], [{"max_tokens": 3, "ignore_eos": True}, {"max_tokens": 2, "ignore_eos": True}])
+    done = engine.generate(
+        [[1, 2], [3]], [{"max_tokens": 3, "ignore_eos": True}, {"max_tokens": 2, "ignore_eos": True}]
+    )
     assert [c.token_ids for c in done] == [expected_tokens(runner, [1, 2], 3), expected_tokens(runner, [3], 2)]
     with pytest.raises(InvalidRequestError, match="2 params for 1 prompts"):
         engine.generate([[1]], [{"max_tokens": 1}, {"max_tokens": 1}])
 
 
 # ---- a failing step ---------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_runner_error_fails_only_that_steps_requests(policy):
@@ -319,15 +360,18 @@ def test_runner_error_fails_only_that_steps_requests(policy):
 
 # ---- the sampler ------------------------------------------------------------------------
 
+
 def req(rid: str = "r", **params) -> Request:
     return Request(rid, [0], SamplingParams(**params), 0.0)
 
 
-LOGITS = torch.tensor([
-    [0.1, 2.0, -1.0, 0.5, 1.9],
-    [3.0, -2.0, 0.0, 2.5, 1.0],
-    [-1.0, -0.5, -3.0, -0.4, -2.0],
-])
+LOGITS = torch.tensor(
+    [
+        [0.1, 2.0, -1.0, 0.5, 1.9],
+        [3.0, -2.0, 0.0, 2.5, 1.0],
+        [-1.0, -0.5, -3.0, -0.4, -2.0],
+    ]
+)
 
 
 def test_sampler_greedy_is_argmax():

@@ -9,14 +9,28 @@ import sys
 
 import pytest
 
-from cluster.cli import main
+from cli.main import main
 from replica import Engine, EngineConfig
 
 
 def test_generate_json_matches_engine(tiny_gpt2_dir, capsys):
     """--json prints one object per prompt with the engine's own greedy tokens and text."""
-    assert main(["generate", "Hello there", "The sky is", "--model", tiny_gpt2_dir, "--max-tokens", "5", "--json",
-                 "--local"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "Hello there",
+                "The sky is",
+                "--model",
+                tiny_gpt2_dir,
+                "--max-tokens",
+                "5",
+                "--json",
+                "--local",
+            ]
+        )
+        == 0
+    )
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     engine = Engine(EngineConfig(model=tiny_gpt2_dir, max_seq_len=1024))
     expected = engine.generate(["Hello there", "The sky is"], {"max_tokens": 5})
@@ -35,12 +49,15 @@ def test_generate_chat_applies_template(tiny_gpt2_dir, capsys):
     assert chat["num_prompt_tokens"] > plain["num_prompt_tokens"] + 3
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--max-tokens", "0"], "max_tokens"),
-    (["--temperature", "-1"], "temperature"),
-    (["--top-p", "1.5"], "top_p"),
-    (["--model", "/nonexistent/model"], "neither a built-in"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--model", "/nonexistent/model"], "neither a built-in"),
+    ],
+)
 def test_generate_bad_input_is_a_clear_error(tiny_gpt2_dir, capsys, args, message):
     """Bad values end with exit code 2 and a one-line error naming the field, not a traceback."""
     model = [] if "--model" in args else ["--model", tiny_gpt2_dir]
@@ -51,16 +68,34 @@ def test_generate_bad_input_is_a_clear_error(tiny_gpt2_dir, capsys, args, messag
 
 def test_unknown_policy_is_rejected_by_the_parser():
     """An unknown --policy is refused with the list of choices (argparse exit code 2)."""
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "x", "--policy", "fifo"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.main", "generate", "x", "--policy", "fifo"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "invalid choice: 'fifo'" in proc.stderr and "chunked" in proc.stderr
 
 
 def test_compare_prints_table_and_writes_outputs(tiny_gpt2_dir, tmp_path, capsys):
     """compare replays one workload through the chosen policies and writes traces, steps,
     summary and a plot; the chunked row respects the stated budget."""
-    code = main(["compare", "--model", tiny_gpt2_dir, "--policies", "continuous", "chunked", "--requests", "8",
-                 "--max-seq-len", "600", "--out", str(tmp_path)])
+    code = main(
+        [
+            "compare",
+            "--model",
+            tiny_gpt2_dir,
+            "--policies",
+            "continuous",
+            "chunked",
+            "--requests",
+            "8",
+            "--max-seq-len",
+            "600",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "continuous" in out and "chunked" in out and "token budget 64" in out

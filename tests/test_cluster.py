@@ -18,7 +18,7 @@ import ray
 from cluster.client import Client, ClusterError, connect
 from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
 from cluster.driver import run_workload
-from cluster.store import MetricsStore
+from metrics.store import MetricsStore
 from replica import Engine, EngineConfig, InvalidRequestError
 from replica.serving import ReplicaConfig
 from workloads import bursty_mix
@@ -46,8 +46,15 @@ def test_fake_cluster_serves_streams_and_records(local_ray):
     assert events[0].time < events[-1].made
 
     workload = bursty_mix(num_requests=24, rate=50.0, seed=1)
-    run_id = run_workload(deployment, workload, name="t", config={}, batching_policy="continuous",
-                          routing_policy="least_loaded", progress=False)
+    run_id = run_workload(
+        deployment,
+        workload,
+        name="t",
+        config={},
+        batching_policy="continuous",
+        routing_policy="least_loaded",
+        progress=False,
+    )
     store = MetricsStore(store_path)
     traces = store.traces(run_id)
     assert len(traces) == 24 and all(t.finish_reason == "length" for t in traces)
@@ -141,8 +148,9 @@ def test_store_survives_a_killed_driver(tmp_path):
     """Kill the driver mid-run: the store file opens, the requests that finished are there,
     and the run reads as incomplete."""
     path = tmp_path / "killed.db"
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(path)], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(path)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         assert proc.stdout.readline().strip() == "started"
         deadline = time.monotonic() + 120

@@ -12,7 +12,6 @@ import torch
 from replica import POLICIES, ConfigError, Engine, EngineConfig
 from replica.model_loader import load_hf_model
 from replica.model_runner import ModelRunner
-from replica.scheduler import SchedulerConfig
 
 SLOTS = 4
 # The K/V cache layouts; the paged one with prefix caching, so that preempted requests also
@@ -22,15 +21,21 @@ KV = {"slot": {}, "paged": {"kv_cache": "paged", "block_size": 8, "prefix_cachin
 
 def make_runners(model: str) -> dict[str, ModelRunner]:
     """One runner per cache layout (a runner owns one cache, so the model is loaded twice)."""
-    configs = {kv: SchedulerConfig(**c) for kv, c in KV.items()}
-    return {kv: ModelRunner(model, SLOTS, 256, kv_cache=c.kv_cache, block_size=c.block_size) for kv, c in configs.items()}
+    return {kv: ModelRunner(EngineConfig(model=model, num_slots=SLOTS, max_seq_len=256, **c)) for kv, c in KV.items()}
 
 
 def make_prompts(tokenizer) -> list[tuple[list[int], int]]:
     """(prompt ids, max_tokens): short and long prompts, short and long outputs."""
-    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-             "1, 2, 3, 4,", "Hello", "The three primary colors are",
-             " ".join(["The quick brown fox jumps over the lazy dog."] * 12), "import numpy as np\n"]
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village,",
+        "1, 2, 3, 4,",
+        "Hello",
+        "The three primary colors are",
+        " ".join(["The quick brown fox jumps over the lazy dog."] * 12),
+        "import numpy as np\n",
+    ]
     lens = [12, 30, 20, 8, 25, 16, 10, 24]
     return [(tokenizer.encode(t, add_special_tokens=False), n) for t, n in zip(texts, lens)]
 
@@ -52,7 +57,7 @@ def reference(hf, prompt: list[int], max_tokens: int) -> list[int]:
         ids = torch.tensor([prompt])
         with torch.no_grad():
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False)
-        _REFERENCES[key] = out[0, len(prompt):].tolist()
+        _REFERENCES[key] = out[0, len(prompt) :].tolist()
     return _REFERENCES[key]
 
 
@@ -86,14 +91,27 @@ def check_prefix_sharing(hf, runner, cases, block_size: int = 8, max_tokens: int
     prompts = [system + p for p, _ in cases[:4]]
     runs = {}
     for prefix_caching in (False, True):
-        engine = Engine(EngineConfig(policy="mixed", num_slots=SLOTS, max_seq_len=256, kv_cache="paged",
-                                     block_size=block_size, prefix_caching=prefix_caching), runner)
+        engine = Engine(
+            EngineConfig(
+                policy="mixed",
+                num_slots=SLOTS,
+                max_seq_len=256,
+                kv_cache="paged",
+                block_size=block_size,
+                prefix_caching=prefix_caching,
+            ),
+            runner,
+        )
         first = engine.requests[engine.add_request(prompts[0], {"max_tokens": max_tokens})]
         prefill = engine.step().record.num_prefill_tokens
         requests = [first] + [engine.requests[engine.add_request(p, {"max_tokens": max_tokens})] for p in prompts[1:]]
         while engine.has_unfinished:
             prefill += engine.step().record.num_prefill_tokens
-        runs[prefix_caching] = ([r.output_token_ids for r in requests], prefill, engine.scheduler.num_prefix_cached_tokens)
+        runs[prefix_caching] = (
+            [r.output_token_ids for r in requests],
+            prefill,
+            engine.scheduler.num_prefix_cached_tokens,
+        )
     shared = 3 * (len(system) // block_size) * block_size
     assert runs[True][2] == shared and runs[False][2] == 0
     assert runs[True][1] == runs[False][1] - shared == sum(map(len, prompts)) - shared

@@ -10,10 +10,11 @@ import textwrap
 
 import pytest
 
-from cluster.cli import main
-from cluster.experiment import plan_experiment, run_experiment
-from cluster.plots import slot_spans
-from cluster.store import MetricsStore, open_store
+from cli.main import main
+from experiments.plan import plan_experiment
+from experiments.run import run_experiment
+from metrics.plots import slot_spans
+from metrics.store import MetricsStore, open_store
 
 EXPERIMENT = """\
 name = "tiny"
@@ -68,10 +69,14 @@ def test_simulated_experiment_records_a_run_per_cell_and_reports(tmp_path, capsy
     runs = store.runs()
     assert len(runs) == 8 and all(r["simulated"] and r["status"] == "complete" for r in runs)
     assert {(r["config"]["cell"]["batching"], r["config"]["cell"]["load"], r["seed"]) for r in runs} == {
-        (b, load, s) for b in ("static", "continuous") for load in (0.5, 1.0) for s in (0, 1)}
+        (b, load, s) for b in ("static", "continuous") for load in (0.5, 1.0) for s in (0, 1)
+    }
     assert all(r["config"]["experiment"] == "tiny" and r["config"]["experiment_file"] == str(path) for r in runs)
-    rate = {(r["config"]["cell"]["load"], r["seed"]): r["config"]["workload_params"]["mean_rate_requests_per_s"]
-            for r in runs if r["batching_policy"] == "static"}
+    rate = {
+        (r["config"]["cell"]["load"], r["seed"]): r["config"]["workload_params"]["mean_rate_requests_per_s"]
+        for r in runs
+        if r["batching_policy"] == "static"
+    }
     assert rate[(1.0, 0)] == pytest.approx(2 * rate[(0.5, 0)])
     assert all(len(store.requests(r["run_id"])) == 12 for r in runs)
 
@@ -98,11 +103,15 @@ def test_simulated_experiment_records_a_run_per_cell_and_reports(tmp_path, capsy
 def test_token_budget_axis_multiplies_only_policies_that_read_it(tmp_path):
     """Only `chunked` reads the token budget: a [32, 64] budget axis gives it two cells and
     the other policies one (no identical repeated runs); --seeds replaces the file's seeds."""
-    text = EXPERIMENT.replace('load = [0.5, 1.0]', 'token_budget = [32, 64]').replace(
-        '["static", "continuous"]', '["static", "chunked"]')
+    text = EXPERIMENT.replace("load = [0.5, 1.0]", "token_budget = [32, 64]").replace(
+        '["static", "continuous"]', '["static", "chunked"]'
+    )
     plan = plan_experiment(write(tmp_path, text), seeds=[7])
     assert [(c.batching, c.token_budget, c.seed) for c in plan.cells] == [
-        ("static", None, 7), ("chunked", 32, 7), ("chunked", 64, 7)]
+        ("static", None, 7),
+        ("chunked", 32, 7),
+        ("chunked", 64, 7),
+    ]
     assert [plan.engine_config(c).token_budget for c in plan.cells[1:]] == [32, 64]
 
 
@@ -110,12 +119,17 @@ def test_workload_axis_sweeps_the_standard_workloads_arguments(tmp_path):
     """sweep.workload gives one cell per argument set, each built from the standard workload
     with that argument (sigma-sweep's output spread here), shown as its own table column; an
     argument the workload does not take is an error at that key's line."""
-    text = EXPERIMENT.replace('standard = "bursty-mix"\nargs = { num_requests = 12 }',
-                              'standard = "sigma-sweep"\nargs = { num_requests = 12 }').replace(
-        'load = [0.5, 1.0]', 'workload = [{ sigma = 0.0 }, { sigma = 1.2 }]')
+    text = EXPERIMENT.replace(
+        'standard = "bursty-mix"\nargs = { num_requests = 12 }',
+        'standard = "sigma-sweep"\nargs = { num_requests = 12 }',
+    ).replace("load = [0.5, 1.0]", "workload = [{ sigma = 0.0 }, { sigma = 1.2 }]")
     plan = plan_experiment(write(tmp_path, text), seeds=[0])
     assert [(c.workload, c.batching) for c in plan.cells] == [
-        ("sigma=0.0", "static"), ("sigma=0.0", "continuous"), ("sigma=1.2", "static"), ("sigma=1.2", "continuous")]
+        ("sigma=0.0", "static"),
+        ("sigma=0.0", "continuous"),
+        ("sigma=1.2", "static"),
+        ("sigma=1.2", "continuous"),
+    ]
     flat, spread = (plan.workload(c, 1.0).output_lens for c in (plan.cells[0], plan.cells[2]))
     assert len(set(flat)) == 1 and len(set(spread)) > 5
 
@@ -127,9 +141,9 @@ def test_workload_axis_sweeps_the_standard_workloads_arguments(tmp_path):
 def test_the_help_example_is_a_valid_experiment(tmp_path):
     """The file shown by `slotserve experiment --help` plans as it says: 2 batching policies
     (chunked with 2 budgets) x 3 loads x 3 seeds."""
-    from cluster.experiment import _EXAMPLE
+    from cli.experiment import EXAMPLE
 
-    body = _EXAMPLE.split("\n", 1)[1].split("\nPaths")[0]
+    body = EXAMPLE.split("\n", 1)[1].split("\nPaths")[0]
     plan = plan_experiment(write(tmp_path, "\n".join(line[2:] for line in body.splitlines())))
     assert len(plan.cells) == 27 and {c.batching for c in plan.cells} == {"continuous", "chunked"}
 
@@ -157,23 +171,33 @@ def test_a_cell_cut_short_is_ended_not_left_running(tmp_path, monkeypatch, inter
 TRACE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 TRACES = {
     "missing-column": ("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.6805900,374\n", "bad.csv:1: missing column"),
-    "negative-length": (TRACE_HEADER + "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:47.0,-3,5\n",
-                        "bad.csv:3: negative length"),
-    "time-goes-back": (TRACE_HEADER + "2023-11-16 18:15:47.0,374,44\n2023-11-16 18:15:46.0,10,5\n",
-                       "bad.csv:3: timestamp goes back"),
+    "negative-length": (
+        TRACE_HEADER + "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:47.0,-3,5\n",
+        "bad.csv:3: negative length",
+    ),
+    "time-goes-back": (
+        TRACE_HEADER + "2023-11-16 18:15:47.0,374,44\n2023-11-16 18:15:46.0,10,5\n",
+        "bad.csv:3: timestamp goes back",
+    ),
 }
 TRACE_WORKLOAD = '[workload]\nspec = { source = "trace", format = "azure", path = "bad.csv", limit = 10 }'
 BAD = {  # name: (edit of the file, the line the error must name (a fragment of it), words of the message)
-    "unknown-batching": (('"static", "continuous"', '"static", "statik"'), 'batching =',
-                         "sweep.batching: unknown batching policy 'statik'; choose one of static"),
-    "unknown-routing": (('["least_loaded"]', '["fastest"]'), 'routing =', "sweep.routing: unknown routing policy"),
-    "missing-model": (('model = "fake"\n', ''), '[cluster]', "cluster.model: required key missing"),
-    "unknown-key": (('replicas = 2', 'replicas = 2\nreplica_count = 3'), 'replica_count',
-                    "cluster.replica_count: unknown key"),
-    "negative-load": (('load = [0.5, 1.0]', 'load = [0.5, -1.0]'), 'load =', "sweep.load[1]: Input should be greater"),
-    "toml-syntax": (('replicas = 2', 'replicas = = 2'), 'replicas =', "TOML syntax: Invalid value"),
-    "load-without-rate": (('"bursty-mix"', '"saturated"'), 'load =', "has no arrival rate"),
-    "bad-factory-arg": (('num_requests = 12', 'num_requests = 12, rat = 3'), 'args =', "unexpected keyword argument"),
+    "unknown-batching": (
+        ('"static", "continuous"', '"static", "statik"'),
+        "batching =",
+        "sweep.batching: unknown batching policy 'statik'; choose one of static",
+    ),
+    "unknown-routing": (('["least_loaded"]', '["fastest"]'), "routing =", "sweep.routing: unknown routing policy"),
+    "missing-model": (('model = "fake"\n', ""), "[cluster]", "cluster.model: required key missing"),
+    "unknown-key": (
+        ("replicas = 2", "replicas = 2\nreplica_count = 3"),
+        "replica_count",
+        "cluster.replica_count: unknown key",
+    ),
+    "negative-load": (("load = [0.5, 1.0]", "load = [0.5, -1.0]"), "load =", "sweep.load[1]: Input should be greater"),
+    "toml-syntax": (("replicas = 2", "replicas = = 2"), "replicas =", "TOML syntax: Invalid value"),
+    "load-without-rate": (('"bursty-mix"', '"saturated"'), "load =", "has no arrival rate"),
+    "bad-factory-arg": (("num_requests = 12", "num_requests = 12, rat = 3"), "args =", "unexpected keyword argument"),
 }
 
 
@@ -192,8 +216,10 @@ def test_bad_files_name_file_and_line_and_leave_the_store_alone(tmp_path, capsys
         text = EXPERIMENT.replace('[workload]\nstandard = "bursty-mix"\nargs = { num_requests = 12 }', TRACE_WORKLOAD)
         path, line = write(tmp_path, text), line_of(text, "spec = ")
     elif case == "yaml-unknown-policy":
-        text = ("name: tiny\nworkload:\n  standard: saturated\n  args: {num_requests: 8}\n"
-                "cluster:\n  model: fake\n  fake_step_seconds: 0.01\nsweep:\n  batching:\n    - static\n    - statik\n")
+        text = (
+            "name: tiny\nworkload:\n  standard: saturated\n  args: {num_requests: 8}\n"
+            "cluster:\n  model: fake\n  fake_step_seconds: 0.01\nsweep:\n  batching:\n    - static\n    - statik\n"
+        )
         path, line, words = write(tmp_path, text, "tiny.yaml"), 9, "sweep.batching: unknown batching policy 'statik'"
     else:
         (old, new), fragment, words = BAD[case]
@@ -225,13 +251,19 @@ def test_real_cluster_of_fake_replicas_records_real_runs(tmp_path, capsys, local
     """The same kind of file without --simulate: two cells (two batching policies, so the
     replicas are restarted between them) of 20 requests on a local Ray cluster of fake
     replicas, recorded as real, complete runs with every request and both replicas' steps."""
-    text = (EXPERIMENT.replace("num_requests = 12", "num_requests = 20").replace("load = [0.5, 1.0]", "load = [0.8]")
-            .replace("seeds = [0, 1]", "seeds = [3]").replace('["static", "continuous"]', '["mixed", "continuous"]'))
+    text = (
+        EXPERIMENT.replace("num_requests = 12", "num_requests = 20")
+        .replace("load = [0.5, 1.0]", "load = [0.8]")
+        .replace("seeds = [0, 1]", "seeds = [3]")
+        .replace('["static", "continuous"]', '["mixed", "continuous"]')
+    )
     path, store_path = write(tmp_path, text), tmp_path / "store.db"
     assert main(["experiment", str(path), "--store", str(store_path), "--out", str(tmp_path / "out")]) == 0
     runs = MetricsStore(store_path).runs()
     assert [(r["batching_policy"], r["simulated"], r["status"], r["seed"]) for r in runs] == [
-        ("mixed", False, "complete", 3), ("continuous", False, "complete", 3)]
+        ("mixed", False, "complete", 3),
+        ("continuous", False, "complete", 3),
+    ]
     store = MetricsStore(store_path)
     for run in runs:
         assert len(store.requests(run["run_id"])) == 20

@@ -1,3 +1,4 @@
+# Over 400 lines: the pure router, every policy and its actor, one behaviour per test.
 """The router: load estimation, every routing policy, the decision log, errors, and the Ray
 actor shell. All but the last test are pure (a fake clock, no Ray)."""
 
@@ -12,15 +13,32 @@ import sys
 import pytest
 import ray
 
-from replica.clock import FakeClock  # the router takes any clock with now(); tests may use replica's
+from protocol.clock import FakeClock
+from protocol.registry import UnknownChoiceError
 from router import (
-    ROUTING_POLICIES, LoadReport, LoadView, ReplicaView, RouteRequest, Router, RoutingError, make_routing_policy,
+    ROUTING_POLICIES,
+    LoadReport,
+    LoadView,
+    ReplicaView,
+    Router,
+    RouteRequest,
+    RoutingError,
+    make_routing_policy,
 )
 
 
-def load(replica_id: str, queue: int = 0, running: int = 0, free: int = 4, slots: int = 4, t: float = 0.0) -> LoadReport:
-    return LoadReport(replica_id, queue_depth=queue, running=running, free_slots=free, num_slots=slots,
-                      free_kv_tokens=1024 * free, time=t)
+def load(
+    replica_id: str, queue: int = 0, running: int = 0, free: int = 4, slots: int = 4, t: float = 0.0
+) -> LoadReport:
+    return LoadReport(
+        replica_id,
+        queue_depth=queue,
+        running=running,
+        free_slots=free,
+        num_slots=slots,
+        free_kv_tokens=1024 * free,
+        time=t,
+    )
 
 
 def req(i: int | str, session: str | None = None) -> RouteRequest:
@@ -202,7 +220,9 @@ def test_every_policy_keeps_the_books_straight(policy):
         clock.advance(0.01)
         if rng.random() < 0.3:
             free = rng.randint(0, 4)
-            router.report(load(f"r{rng.randrange(4)}", queue=rng.randint(0, 5), running=4 - free, free=free, t=clock.now()))
+            router.report(
+                load(f"r{rng.randrange(4)}", queue=rng.randint(0, 5), running=4 - free, free=free, t=clock.now())
+            )
         decision = router.route(req(i, session=f"s{rng.randrange(5)}"))
         assert set(decision.scores) == {"r0", "r1", "r2", "r3"} and decision.policy == policy
         open_requests.append(decision.request_id)
@@ -277,7 +297,7 @@ def test_set_policy_keeps_the_load_view():
     assert [router.route(req(i)).replica_id for i in (1, 2)] == ["r0", "r1"]
     assert router.status()["policy"] == "round_robin"
     assert router.status()["replicas"]["r1"]["in_flight"] == 2
-    with pytest.raises(RoutingError, match="unknown routing policy"):
+    with pytest.raises(UnknownChoiceError, match="unknown routing policy"):
         router.set_policy("nope")
 
 
@@ -299,8 +319,8 @@ def test_replicas_can_be_added_and_removed():
 
 
 def test_unknown_policy_names_the_choices():
-    """An unknown policy name is a RoutingError (a ValueError) listing every policy."""
-    with pytest.raises(RoutingError, match="unknown routing policy 'fastest'; choose one of round_robin") as info:
+    """An unknown policy name is an UnknownChoiceError (a ValueError) listing every policy."""
+    with pytest.raises(UnknownChoiceError, match="unknown routing policy 'fastest'; choose one of round_robin") as info:
         Router(["r0"], policy="fastest")
     assert isinstance(info.value, ValueError)
     assert all(name in str(info.value) for name in ROUTING_POLICIES)
@@ -322,12 +342,13 @@ def test_duplicate_request_id_in_flight_is_an_error():
     assert router.status()["routed"] == 1
 
 
-def test_load_report_from_dict_names_bad_fields():
-    """A malformed report dict says which fields are missing and which are unknown."""
-    good = load("r0").__dict__
-    assert LoadReport.from_dict(good) == load("r0")
-    with pytest.raises(RoutingError, match=r"missing fields \['time'\], unknown fields \['when'\]"):
-        LoadReport.from_dict({**{k: v for k, v in good.items() if k != "time"}, "when": 1.0})
+def test_a_report_that_is_not_a_load_report_is_refused_by_name():
+    """A report must be a protocol.messages.LoadReport; a dict (an old sender, a stray Ray
+    caller) is refused with the type it was, and the view is left as it was."""
+    router = make_router("least_loaded")
+    with pytest.raises(RoutingError, match="load report must be a LoadReport, got dict"):
+        router.report(load("r0").__dict__)
+    assert router.report(load("r0"))
 
 
 def test_router_package_imports_neither_ray_nor_its_siblings():
@@ -341,7 +362,7 @@ def test_router_package_imports_neither_ray_nor_its_siblings():
 def test_decision_rows_are_strict_json():
     """Store rows carry scores and in-flight counts as JSON; power_of_two's unsampled +inf
     scores become null rather than the non-standard `Infinity`."""
-    from router.actor import decision_row
+    from metrics.recording import decision_row
 
     router = make_router("power_of_two", n=4)
     row = decision_row(router.route(req(0)))
@@ -375,10 +396,12 @@ def dummy_actors(ray_local):
             self.fail = fail
             self.batches: list[tuple[str | None, list[dict]]] = []
 
-        def add_decisions(self, run_id, rows):
+        def add_decision_records(self, run_id, decisions):
+            from metrics.recording import decision_row
+
             if self.fail:
                 raise RuntimeError("store is down")
-            self.batches.append((run_id, rows))
+            self.batches.append((run_id, [decision_row(d) for d in decisions]))
 
         def get(self):
             return self.batches
@@ -401,7 +424,7 @@ def test_router_actor_routes_and_ships_decisions_to_the_store(dummy_actors):
     store = DummyStore.remote()
     handles = {"r0": DummyReplica.remote(), "r1": DummyReplica.remote()}
     router = RouterActor.remote(handles, policy="least_loaded", store=store)
-    assert get(router.report.remote(load("r0", queue=5, running=4, free=0, t=0.0).__dict__))
+    assert get(router.report.remote(load("r0", queue=5, running=4, free=0, t=0.0)))
     assert get(router.route.remote("a", 16, 32)) == "r1"
     replicas = get(router.replicas.remote())
     assert get(replicas["r1"].ping.remote()) == "pong"
@@ -419,7 +442,9 @@ def test_router_actor_routes_and_ships_decisions_to_the_store(dummy_actors):
     get(router.flush.remote())
     rows = [(run, row) for run, batch in get(store.get.remote()) for row in batch]
     assert [(run, row["request_id"], row["policy"]) for run, row in rows] == [
-        (1, "b", "least_loaded"), (2, "c", "round_robin")]
+        (1, "b", "least_loaded"),
+        (2, "c", "round_robin"),
+    ]
     row = rows[0][1]
     assert set(row) == {"request_id", "time", "policy", "replica_id", "scores", "signal_age", "in_flight"}
     assert row["replica_id"] == "r1" and row["policy"] == "least_loaded"

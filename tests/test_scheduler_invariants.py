@@ -1,3 +1,4 @@
+# Over 400 lines: every batching policy's behaviours against one scripted fake model and clock.
 """Scheduler invariants and policy behaviour, on a scripted fake model and a fake clock.
 
 Every run drives the engine step by step, calls `check_invariants()` after every step and
@@ -16,8 +17,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from replica.clock import FakeClock
-from replica.engine import Engine, EngineConfig, StepRecord
+from protocol.clock import FakeClock
+from replica.config import EngineConfig
+from replica.engine import Engine, StepRecord
 from replica.errors import InvariantViolation
 from replica.fake_model import ScriptedFakeRunner
 from replica.policies import POLICIES
@@ -36,6 +38,7 @@ STEP_SECONDS = 0.02  # FlatCostModel's default
 
 
 # ---- workload and driver -----------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Spec:
@@ -80,12 +83,19 @@ class Run:
         return {rid: (list(r.output_token_ids), r.finish_reason) for rid, r in self.requests.items()}
 
 
-def make_engine(policy: str, num_slots: int = 4, max_seq_len: int = 64, kv_budget_tokens: int | None = None,
-                eos: int | None = EOS, **config) -> tuple[Engine, ScriptedFakeRunner, FakeClock]:
+def make_engine(
+    policy: str,
+    num_slots: int = 4,
+    max_seq_len: int = 64,
+    kv_budget_tokens: int | None = None,
+    eos: int | None = EOS,
+    **config,
+) -> tuple[Engine, ScriptedFakeRunner, FakeClock]:
     clock = FakeClock()
     runner = ScriptedFakeRunner(clock, vocab_size=VOCAB, eos_token_id=eos)
-    cfg = EngineConfig(policy=policy, num_slots=num_slots, max_seq_len=max_seq_len,
-                       kv_budget_tokens=kv_budget_tokens, **config)
+    cfg = EngineConfig(
+        policy=policy, num_slots=num_slots, max_seq_len=max_seq_len, kv_budget_tokens=kv_budget_tokens, **config
+    )
     return Engine(cfg, runner=runner, clock=clock), runner, clock
 
 
@@ -103,8 +113,9 @@ def check_slots(engine: Engine) -> None:
     assert 0 <= sched.slots.used_kv_tokens <= sched.slots.kv_budget_tokens
 
 
-def drive(engine: Engine, runner: ScriptedFakeRunner, clock: FakeClock, specs: list[Spec],
-          max_steps: int = 20_000) -> Run:
+def drive(
+    engine: Engine, runner: ScriptedFakeRunner, clock: FakeClock, specs: list[Spec], max_steps: int = 20_000
+) -> Run:
     """Submit each spec when the fake clock passes its arrival, step until all are done, and
     check every invariant after every step."""
     run = Run(engine, runner)
@@ -217,8 +228,7 @@ def test_invariants_hold_every_step(policy, kv):
     run = drive(engine, runner, clock, SPECS)
     check_finished_run(run, SPECS)
     assert run.num_preemptions == 0  # the big cache never runs out
-    assert sum(r.num_decode_tokens + r.num_prefill_tokens for r in run.records) >= \
-        sum(len(s.prompt) for s in SPECS)
+    assert sum(r.num_decode_tokens + r.num_prefill_tokens for r in run.records) >= sum(len(s.prompt) for s in SPECS)
 
 
 @pytest.fixture(scope="module")
@@ -247,8 +257,9 @@ def test_preemption_replays_without_duplicates(policy, kv, reference_outputs):
     run = drive(engine, runner, clock, SPECS)
     check_finished_run(run, SPECS)
     assert run.num_preemptions > 0, "the tiny cache should force preemptions"
-    assert run.num_preemptions == engine.scheduler.num_preemptions == \
-        sum(r.num_preemptions for r in run.requests.values())
+    assert (
+        run.num_preemptions == engine.scheduler.num_preemptions == sum(r.num_preemptions for r in run.requests.values())
+    )
     assert run.outputs() == reference_outputs
     if kv == "prefix":  # a preempted request found its own computed blocks still cached
         assert engine.scheduler.num_prefix_cached_tokens > 0
@@ -261,19 +272,21 @@ def test_static_preemption_with_held_rows_does_not_deadlock(policy, kv):
     the last running request must be preempted: two requests share an 8-token budget; the
     short one finishes and holds its 4 tokens, the long one then cannot grow and preempts
     itself. The held row must be released so the long one can be re-admitted and finish."""
-    engine, runner, clock = make_engine(policy, num_slots=2, max_seq_len=8, kv_budget_tokens=8, eos=None,
-                                        **KV_MODES[kv])
-    specs = [Spec("short", 0.0, [1, 2, 3], {"max_tokens": 2}, 2),
-             Spec("long", 0.0, [4, 5], {"max_tokens": 6}, 6)]
+    engine, runner, clock = make_engine(
+        policy, num_slots=2, max_seq_len=8, kv_budget_tokens=8, eos=None, **KV_MODES[kv]
+    )
+    specs = [Spec("short", 0.0, [1, 2, 3], {"max_tokens": 2}, 2), Spec("long", 0.0, [4, 5], {"max_tokens": 6}, 6)]
     run = drive(engine, runner, clock, specs, max_steps=200)
     check_finished_run(run, specs)
 
 
 # ---- policy-specific behaviour -----------------------------------------------------------
 
+
 def add(engine: Engine, rid: str, prompt_len: int, max_tokens: int, **kw) -> Request:
-    engine.add_request(list(range(1, prompt_len + 1)), {"max_tokens": max_tokens, "ignore_eos": True},
-                       request_id=rid, **kw)
+    engine.add_request(
+        list(range(1, prompt_len + 1)), {"max_tokens": max_tokens, "ignore_eos": True}, request_id=rid, **kw
+    )
     return engine.requests[rid]
 
 
@@ -468,6 +481,7 @@ def test_static_admits_in_arrival_order():
 
 # ---- prefix caching (paged cache) -----------------------------------------------------------
 
+
 def shared_prefix_workload(n: int = 24, seed: int = 1) -> list[Spec]:
     """Prompts made of one of two system prompts (21 and 10 tokens) and a 1-12 token question,
     arriving over about a second, so later requests find earlier ones' blocks cached."""
@@ -503,12 +517,15 @@ def test_shared_system_prompt_is_computed_once():
     reference (ref count 4 each) and prefill only their own questions; the blocks are freed
     only when the last of them ends, and stay cached for a later request after that."""
     system = list(range(1, 41))  # 40 tokens = 5 blocks of 8
-    engine, runner, _ = make_engine("mixed", num_slots=4, max_seq_len=64, eos=None, kv_cache="paged",
-                                    block_size=8, prefix_caching=True)
+    engine, runner, _ = make_engine(
+        "mixed", num_slots=4, max_seq_len=64, eos=None, kv_cache="paged", block_size=8, prefix_caching=True
+    )
     first = engine.requests[engine.add_request(system + [41, 42], {"max_tokens": 8, "ignore_eos": True})]
     assert step_checked(engine).record.num_prefill_tokens == 42
-    others = [engine.requests[engine.add_request(system + [43 + i] * (i + 1), {"max_tokens": 3, "ignore_eos": True})]
-              for i in range(3)]
+    others = [
+        engine.requests[engine.add_request(system + [43 + i] * (i + 1), {"max_tokens": 3, "ignore_eos": True})]
+        for i in range(3)
+    ]
     record = step_checked(engine).record
     assert record.num_prefill_tokens == 1 + 2 + 3 and record.num_decode_tokens == 1
     shared = first.block_table[:5]
@@ -524,6 +541,7 @@ def test_shared_system_prompt_is_computed_once():
 
 
 # ---- abort --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kv", KV_MODES)
 @pytest.mark.parametrize("policy", ALL_POLICIES)
@@ -570,6 +588,7 @@ def test_abort_waiting_and_running(policy, kv):
 
 
 # ---- the checks themselves can fail --------------------------------------------------------
+
 
 def _running_engine(**kv) -> Engine:
     engine, _, _ = make_engine("mixed", num_slots=3, eos=None, **kv)

@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from replica import Engine, EngineConfig, FinishReason, InvalidRequestError, WallClock
+from protocol.clock import WallClock
+from replica import Engine, EngineConfig, FinishReason, InvalidRequestError
 from replica.fake_model import FlatCostModel, ScriptedFakeRunner
 from replica.serving import AsyncEngine, ReplicaConfig, build_engine
 
@@ -17,8 +18,12 @@ def make(policy: str = "continuous", slots: int = 4, step: float = 0.002, **kw):
     clock = WallClock()
     runner = ScriptedFakeRunner(clock, FlatCostModel(step))
     finished, steps, loads = [], [], []
-    serving = AsyncEngine(Engine(EngineConfig(policy=policy, num_slots=slots, max_seq_len=128, **kw), runner, clock),
-                          steps.append, finished.append, loads.append)
+    serving = AsyncEngine(
+        Engine(EngineConfig(policy=policy, num_slots=slots, max_seq_len=128, **kw), runner, clock),
+        steps.append,
+        finished.append,
+        loads.append,
+    )
     return serving, runner, finished, steps, loads
 
 
@@ -26,7 +31,7 @@ def expected(runner, prompt, n):
     ids = list(prompt)
     for _ in range(n):
         ids.append(runner.next_token(ids))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 async def collect(serving, prompt, n, rid):
@@ -63,8 +68,9 @@ def test_bad_request_is_refused_and_others_finish():
         return [o async for o in serving.generate([], {"max_tokens": 3}, "bad")]
 
     async def main():
-        return await asyncio.gather(collect(serving, [1, 2], 6, "a"), bad(), collect(serving, [3], 4, "b"),
-                                    return_exceptions=True)
+        return await asyncio.gather(
+            collect(serving, [1, 2], 6, "a"), bad(), collect(serving, [3], 4, "b"), return_exceptions=True
+        )
 
     a, err, b = asyncio.run(asyncio.wait_for(main(), 60))
     assert isinstance(err, InvalidRequestError) and err.field == "prompt"

@@ -1,3 +1,4 @@
+# Over 400 lines: simulator, cost model fit and calibration tests share their fixtures.
 """The discrete-event simulator (cluster/simulator.py), the cost models it runs on
 (replica/fake_model.py) and the calibration pipeline (cluster/calibrate.py). Everything runs on
 virtual time except the side-by-side calibration test, which times a tiny real model."""
@@ -12,27 +13,31 @@ from dataclasses import astuple
 
 import pytest
 
-from cluster.calibrate import Cell, add_calibrate_command, calibrate, grid, measure
-from cluster.metrics import RequestTrace
-from cluster.replay import replay
-from cluster.report import analyze, format_report
-from cluster.simulator import SimulationConfig, Simulator, record_simulation, simulate
-from cluster.store import StoreError, open_store
-from replica import POLICIES, Engine, EngineConfig, FakeClock
+from cli.calibrate import add_parser as add_calibrate_command
+from metrics.definitions import RequestTrace
+from metrics.recording import step_row
+from metrics.report import analyze, format_report
+from metrics.store import StoreError, open_store
+from protocol.clock import FakeClock
+from replica import POLICIES, Engine, EngineConfig
 from replica.errors import ConfigError, InvariantViolation
-from replica.fake_model import FittedCostModel, FlatCostModel, ScriptedFakeRunner, StepFeatures
+from replica.fake_model import FlatCostModel, ScriptedFakeRunner
 from replica.request import Request, SamplingParams
 from replica.scheduler import ScheduledChunk, SchedulerOutput
-from replica.serving import step_row
 from router.router import Router
+from sim.calibrate import ProbeCell, calibrate, grid, measure
+from sim.cost_model import FittedCostModel, StepFeatures
+from sim.replay import replay
+from sim.simulator import SimulationConfig, Simulator, record_simulation, simulate
 from workloads.standard import bursty_mix, long_prompts, saturated
 from workloads.workload import ClosedLoop, Workload, WorkloadRequest
 
 
 def engine_config(policy: str, **over) -> EngineConfig:
     # A K/V budget below 4 full slots, so long prompts force preemptions.
-    return EngineConfig(**{"policy": policy, "num_slots": 4, "max_seq_len": 640, "token_budget": 64,
-                           "kv_budget_tokens": 1200, **over})
+    return EngineConfig(
+        **{"policy": policy, "num_slots": 4, "max_seq_len": 640, "token_budget": 64, "kv_budget_tokens": 1200, **over}
+    )
 
 
 def bursty(n: int = 64, rate: float = 12.0, seed: int = 1) -> Workload:
@@ -41,13 +46,23 @@ def bursty(n: int = 64, rate: float = 12.0, seed: int = 1) -> Workload:
 
 def key(trace: RequestTrace) -> tuple:
     """A trace without its replica (replay knows of none)."""
-    return (trace.request_id, trace.arrival, trace.token_times, trace.finish_time, trace.finish_reason,
-            trace.prompt_len, trace.num_preemptions)
+    return (
+        trace.request_id,
+        trace.arrival,
+        trace.token_times,
+        trace.finish_time,
+        trace.finish_reason,
+        trace.prompt_len,
+        trace.num_preemptions,
+    )
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-@pytest.mark.parametrize("workload", [bursty(), saturated(32), long_prompts(48, rate=20.0, seed=2)],
-                         ids=["bursty", "saturated", "long-prompts"])
+@pytest.mark.parametrize(
+    "workload",
+    [bursty(), saturated(32), long_prompts(48, rate=20.0, seed=2)],
+    ids=["bursty", "saturated", "long-prompts"],
+)
 def test_one_replica_is_exactly_the_fake_clock_replay(policy, workload):
     """With one replica the simulator is the in-process replay on a FakeClock: the same token
     times, finishes and preemptions, and the same step records, for every batching policy
@@ -89,8 +104,11 @@ def test_routing_is_the_real_router_and_policies_decide_differently():
     workload = bursty(80, rate=30.0)
     runs = {}
     for policy in ("round_robin", "least_loaded"):
-        sim = Simulator(workload, SimulationConfig(num_replicas=4, routing_policy=policy,
-                                                   engine=engine_config("continuous")), FlatCostModel(0.05))
+        sim = Simulator(
+            workload,
+            SimulationConfig(num_replicas=4, routing_policy=policy, engine=engine_config("continuous")),
+            FlatCostModel(0.05),
+        )
         assert type(sim.router) is Router
         runs[policy] = sim.run()
     rr, ll = runs["round_robin"], runs["least_loaded"]
@@ -110,8 +128,12 @@ def test_every_request_ends_exactly_once(policy):
     has one trace with all its tokens, on the replica the router picked, and the router has
     heard every completion (nothing left in flight)."""
     workload = long_prompts(60, rate=25.0, seed=4)
-    sim = Simulator(workload, SimulationConfig(num_replicas=3, engine=engine_config(policy), seed=4),
-                    FlatCostModel(0.02), check_invariants=True)
+    sim = Simulator(
+        workload,
+        SimulationConfig(num_replicas=3, engine=engine_config(policy), seed=4),
+        FlatCostModel(0.02),
+        check_invariants=True,
+    )
     result = sim.run()
     ids = [t.request_id for t in result.traces]
     assert len(ids) == len(set(ids)) == len(workload.requests)
@@ -126,8 +148,9 @@ def test_every_request_ends_exactly_once(policy):
 def test_a_refused_request_ends_rejected_and_the_rest_are_served():
     """A request longer than a replica can hold is refused at submission, as the cluster
     driver records it: 'rejected', no replica, its completion told to the router."""
-    workload = Workload("w", 0, [WorkloadRequest(0.0, 16, 8), WorkloadRequest(0.1, 600, 100),
-                                 WorkloadRequest(0.2, 16, 8)])
+    workload = Workload(
+        "w", 0, [WorkloadRequest(0.0, 16, 8), WorkloadRequest(0.1, 600, 100), WorkloadRequest(0.2, 16, 8)]
+    )
     sim = Simulator(workload, SimulationConfig(num_replicas=2, engine=engine_config("mixed")))
     result = sim.run()
     assert [t.finish_reason for t in result.traces] == ["length", "rejected", "length"]
@@ -148,9 +171,11 @@ def test_a_policy_that_can_never_run_is_an_error():
 def test_same_seed_same_simulation():
     """Deterministic: the same seed gives the same traces and decisions, even with a random
     routing policy; another seed changes the random policy's choices."""
+
     def run(seed: int):
-        config = SimulationConfig(num_replicas=4, routing_policy="power_of_two", seed=seed,
-                                  engine=engine_config("chunked"))
+        config = SimulationConfig(
+            num_replicas=4, routing_policy="power_of_two", seed=seed, engine=engine_config("chunked")
+        )
         return simulate(bursty(60, rate=20.0), config, FlatCostModel(0.03))
 
     a, b, c = run(5), run(5), run(6)
@@ -168,8 +193,13 @@ def test_steps_cost_what_the_cost_model_says():
     assert any(r.computed_rows > r.useful_rows for r in records)  # static padding rows are priced
     assert all(r.context_tokens >= r.num_decode_tokens + r.num_prefill_tokens for r in records)
     for r in records:
-        expected = 0.01 + 0.002 * r.num_decode_tokens + 0.0005 * r.num_prefill_tokens + 1e-6 * r.context_tokens \
+        expected = (
+            0.01
+            + 0.002 * r.num_decode_tokens
+            + 0.0005 * r.num_prefill_tokens
+            + 1e-6 * r.context_tokens
             + 0.003 * (r.computed_rows - r.useful_rows)
+        )
         assert r.duration == pytest.approx(expected)
 
 
@@ -188,8 +218,10 @@ def test_recorded_simulation_reads_like_a_cluster_run(tmp_path):
     assert [key(t) for t in store.traces(run_id)] == sorted(key(t) for t in result.traces)
     rows = {r["request_id"]: r for r in store.requests(run_id)}
     assert rows["bursty-mix-3"]["planned_arrival"] == workload.requests[3].arrival
-    assert rows["bursty-mix-3"]["submit_lateness"] == 0 and rows["bursty-mix-3"]["max_tokens"] == \
-        workload.requests[3].output_len
+    assert (
+        rows["bursty-mix-3"]["submit_lateness"] == 0
+        and rows["bursty-mix-3"]["max_tokens"] == workload.requests[3].output_len
+    )
     assert len(store.steps(run_id)) == sum(len(s) for s in result.steps.values())
     assert len(store.decisions(run_id)) == 40
     analysis = analyze(store, run_id)
@@ -200,6 +232,7 @@ def test_recorded_simulation_reads_like_a_cluster_run(tmp_path):
 
 
 # ---- cost models ----------------------------------------------------------------------------
+
 
 def chunk(prompt_len: int, outputs: int, start: int, num: int, decode: bool) -> ScheduledChunk:
     request = Request("x", [1] * prompt_len, SamplingParams(), 0.0, output_token_ids=[2] * outputs)
@@ -246,9 +279,10 @@ def test_fit_keeps_coefficients_non_negative():
 
 def test_cost_model_save_load_round_trip(tmp_path):
     """JSON with the machine and the fit quality; a bad file is an error naming it."""
-    model = FittedCostModel.fit(synthetic_samples((0.05, 0.004, 0.0025, 2e-7, 0.001)),
-                                machine={"cpu": "EPYC", "cores": 2, "torch": "2.13", "threads": 2,
-                                         "model": "smollm2-135m", "dtype": "float32"})
+    model = FittedCostModel.fit(
+        synthetic_samples((0.05, 0.004, 0.0025, 2e-7, 0.001)),
+        machine={"cpu": "EPYC", "cores": 2, "torch": "2.13", "threads": 2, "model": "smollm2-135m", "dtype": "float32"},
+    )
     path = tmp_path / "deep" / "cost.json"
     model.save(path)
     assert FittedCostModel.load(path) == model
@@ -270,8 +304,12 @@ def test_calibration_pipeline_recovers_a_known_runner():
     assert cells[0].batch == 1 and {c.policy for c in cells} == {"mixed", "chunked", "static"}
     assert {c.batch for c in cells if c.policy == "mixed"} == {1, 2, 4}
     clock = FakeClock()
-    samples = measure(ScriptedFakeRunner(clock, true, vocab_size=30_000), cells,
-                      max(c.prompt_len + c.max_tokens for c in cells), clock=clock)
+    samples = measure(
+        ScriptedFakeRunner(clock, true, vocab_size=30_000),
+        cells,
+        max(c.prompt_len + c.max_tokens for c in cells),
+        clock=clock,
+    )
     assert {kind.split(" ")[0] for _, _, kind in samples} == {"decode", "prefill", "mixed", "padded"}
     fitted = FittedCostModel.fit([(f, t) for f, t, _ in samples])
     assert fitted.coefficients == pytest.approx(true.coefficients, rel=1e-3)
@@ -283,10 +321,15 @@ def test_calibrate_command_options():
     add_calibrate_command(parser.add_subparsers())
     args = parser.parse_args(["calibrate", "--quick", "--slots", "4"])
     assert (args.quick, args.slots, args.threads, str(args.out), args.model) == (
-        True, 4, 1, "results/cost_model.json", "smollm2-135m")
+        True,
+        4,
+        1,
+        "results/cost_model.json",
+        "smollm2-135m",
+    )
     with pytest.raises(ConfigError, match="--threads"):
         args.func(parser.parse_args(["calibrate", "--threads", "0"]))
-    assert Cell("chunked", 4, 64, 3, token_budget=32).label == "chunked B=4 L=64 budget 32"
+    assert ProbeCell("chunked", 4, 64, 3, token_budget=32).label == "chunked B=4 L=64 budget 32"
 
 
 TRUE_COST = FittedCostModel(c0=0.09, c_decode=0.004, c_prefill=0.0028, c_ctx=3e-7, c_held=0.002)
@@ -297,8 +340,13 @@ def record_as_real(store, policy: str, steps_context: bool = True) -> int:
     rows a cluster's replicas write (`step_row`), of known durations."""
     config = engine_config(policy)
     result = simulate(long_prompts(24, rate=6.0, seed=3), SimulationConfig(num_replicas=2, engine=config), TRUE_COST)
-    run_id = store.begin_run(f"real-{policy}", {"replica": {"engine": config.model_dump()}, "num_replicas": 2,
-                                                "num_cpus_per_replica": 1}, policy, "least_loaded", 0)
+    run_id = store.begin_run(
+        f"real-{policy}",
+        {"replica": {"engine": config.model_dump()}, "num_replicas": 2, "num_cpus_per_replica": 1},
+        policy,
+        "least_loaded",
+        0,
+    )
     rows = [step_row(replica, r, config.num_slots) for replica, records in result.steps.items() for r in records]
     if not steps_context:  # as a store written before context tokens were recorded
         rows = [{k: v for k, v in row.items() if k != "context_tokens"} for row in rows]
@@ -332,8 +380,9 @@ def test_calibrate_from_store_refuses_what_cannot_calibrate(tmp_path):
     --runs without --from-store are errors that name the problem."""
     db = tmp_path / "slotserve.db"
     store = open_store(db)
-    simulated = record_simulation(store, simulate(saturated(8), SimulationConfig(engine=engine_config("chunked")),
-                                                  TRUE_COST))
+    simulated = record_simulation(
+        store, simulate(saturated(8), SimulationConfig(engine=engine_config("chunked")), TRUE_COST)
+    )
     old = record_as_real(store, "chunked", steps_context=False)
     store.close()
     parser = argparse.ArgumentParser()

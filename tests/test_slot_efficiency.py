@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.metrics import expected_static_slot_efficiency
+from benchmarks.slot_efficiency import main as slot_efficiency_script
+from benchmarks.slot_efficiency import measure
+from metrics.definitions import expected_static_slot_efficiency
 from workloads.standard import SIGMAS, sigma_sweep
-
-from benchmarks.slot_efficiency import main as slot_efficiency_script, measure
 
 
 @pytest.mark.parametrize("sigma", SIGMAS)

@@ -14,25 +14,54 @@ from pathlib import Path
 
 import pytest
 
-from cluster.metrics import SLO
-from cluster.report import add_report_command, analyze, format_report
-from cluster.store import MetricsStore, StoreError, UnknownRunError, open_store
+from cli.report import add_parser as add_report_command
+from metrics.definitions import SLO
+from metrics.report import analyze, format_report
+from metrics.store import MetricsStore, StoreError, UnknownRunError, open_store
+from replica.engine import StepRecord
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def request(rid: str, replica: str | None, arrival: float, n_tokens: int, finish: str = "length", ttft: float = 0.5,
-            gap: float = 0.1, **extra) -> dict:
+def request(
+    rid: str,
+    replica: str | None,
+    arrival: float,
+    n_tokens: int,
+    finish: str = "length",
+    ttft: float = 0.5,
+    gap: float = 0.1,
+    **extra,
+) -> dict:
     """A final request row whose tokens start `ttft` after arrival and come `gap` apart."""
     times = [arrival + ttft + k * gap for k in range(n_tokens)]
-    return {"request_id": rid, "replica_id": replica, "arrival": arrival, "completion": times[-1] if times else arrival,
-            "finish_reason": finish, "prompt_len": 8, "token_times": times, **extra}
+    return {
+        "request_id": rid,
+        "replica_id": replica,
+        "arrival": arrival,
+        "completion": times[-1] if times else arrival,
+        "finish_reason": finish,
+        "prompt_len": 8,
+        "token_times": times,
+        **extra,
+    }
 
 
 def step(replica: str, n: int, live: int, useful: int, computed: int, slots: int = 4, preemptions: int = 0) -> dict:
-    return {"replica_id": replica, "step": n, "time": float(n), "duration": 0.01, "live_slots": live,
-            "num_slots": slots, "queue_depth": 0, "decode_tokens": live, "prefill_tokens": 0,
-            "useful_rows": useful, "computed_rows": computed, "preemptions": preemptions}
+    return {
+        "replica_id": replica,
+        "step": n,
+        "time": float(n),
+        "duration": 0.01,
+        "live_slots": live,
+        "num_slots": slots,
+        "queue_depth": 0,
+        "decode_tokens": live,
+        "prefill_tokens": 0,
+        "useful_rows": useful,
+        "computed_rows": computed,
+        "preemptions": preemptions,
+    }
 
 
 @pytest.fixture
@@ -44,16 +73,31 @@ def store(tmp_path) -> MetricsStore:
 def mixed_run(store) -> int:
     """Replica a: 3 requests (one failed after 2 tokens), b: 1, and one rejected before routing."""
     run = store.begin_run("mixed", {"replicas": 2}, "continuous", "least-loaded", 7, slo={"ttft": 2.0})
-    store.add_requests(run, [
-        request("r1", "a", 0.0, 4, num_preemptions=1),
-        request("r2", "a", 1.0, 4, finish="eos"),
-        request("r3", "a", 2.0, 2, finish="error", error="step failed"),
-        request("r4", "b", 0.5, 6),
-        request("r5", None, 3.0, 0, finish="rejected", error="queue full"),
-    ])
+    store.add_requests(
+        run,
+        [
+            request("r1", "a", 0.0, 4, num_preemptions=1),
+            request("r2", "a", 1.0, 4, finish="eos"),
+            request("r3", "a", 2.0, 2, finish="error", error="step failed"),
+            request("r4", "b", 0.5, 6),
+            request("r5", None, 3.0, 0, finish="rejected", error="queue full"),
+        ],
+    )
     store.add_steps(run, [step("a", 0, 2, 2, 2), step("a", 1, 4, 3, 4, preemptions=2), step("b", 0, 1, 1, 1)])
-    store.add_decisions(run, [{"request_id": "r1", "time": 0.0, "policy": "least-loaded", "replica_id": "a",
-                               "scores": {"a": 0, "b": 1}, "signal_age": 0.02, "in_flight": {"a": 0, "b": 1}}])
+    store.add_decisions(
+        run,
+        [
+            {
+                "request_id": "r1",
+                "time": 0.0,
+                "policy": "least-loaded",
+                "replica_id": "a",
+                "scores": {"a": 0, "b": 1},
+                "signal_age": 0.02,
+                "in_flight": {"a": 0, "b": 1},
+            }
+        ],
+    )
     store.end_run(run)
     return run
 
@@ -74,8 +118,11 @@ def test_schema_round_trip(store, mixed_run):
     assert rows["r4"]["first_token"] == pytest.approx(1.0) and rows["r4"]["output_len"] == 6
     assert rows["r5"]["first_token"] is None and rows["r5"]["error"] == "queue full"
     assert [(s["replica_id"], s["step"], s["computed_rows"]) for s in store.steps(mixed_run)] == [
-        ("a", 0, 2), ("a", 1, 4), ("b", 0, 1)]
-    decision, = store.decisions(mixed_run)
+        ("a", 0, 2),
+        ("a", 1, 4),
+        ("b", 0, 1),
+    ]
+    (decision,) = store.decisions(mixed_run)
     assert decision["scores"] == {"a": 0, "b": 1} and decision["signal_age"] == 0.02
 
 
@@ -84,14 +131,16 @@ def test_a_store_of_the_previous_schema_is_migrated_in_place(tmp_path):
     before with context_tokens NULL, and new steps carry it."""
     import sqlite3
 
-    from cluster.store import SCHEMA, SCHEMA_VERSION
+    from metrics.store import SCHEMA, SCHEMA_VERSION
 
     path = tmp_path / "old.db"
     old_schema = "\n".join(line for line in SCHEMA.splitlines() if "context_tokens" not in line)
     conn = sqlite3.connect(path)
     conn.executescript(f"{old_schema}\nPRAGMA user_version=1;")
-    conn.execute("INSERT INTO runs (name, started, status, batching_policy, routing_policy, seed, simulated) "
-                 "VALUES ('old', 0, 'complete', 'continuous', 'round_robin', 0, 0)")
+    conn.execute(
+        "INSERT INTO runs (name, started, status, batching_policy, routing_policy, seed, simulated) "
+        "VALUES ('old', 0, 'complete', 'continuous', 'round_robin', 0, 0)"
+    )
     conn.execute("INSERT INTO steps (run_id, replica_id, step, duration, decode_tokens) VALUES (1, 'a', 0, 0.1, 3)")
     conn.commit()
     conn.close()
@@ -142,7 +191,9 @@ def test_many_runs_in_one_file(tmp_path):
     first.close()
     again = MetricsStore(path)
     assert [(r["run_id"], r["batching_policy"], r["routing_policy"]) for r in again.runs()] == [
-        (r1, "static", "round-robin"), (r2, "continuous", "least-loaded")]
+        (r1, "static", "round-robin"),
+        (r2, "continuous", "least-loaded"),
+    ]
     assert [t.num_output_tokens for t in again.traces(r1)] == [2]
     assert sorted(t.num_output_tokens for t in again.traces(r2)) == [1, 5]
 
@@ -163,7 +214,7 @@ def test_run_never_ended_reads_incomplete(tmp_path):
 
 _KILLED_WRITER = """
 import sys
-from cluster.store import open_store
+from metrics.store import open_store
 store = open_store(sys.argv[1])
 run = store.begin_run("killed", {}, "continuous", "round-robin", 0)
 print(run, flush=True)
@@ -181,8 +232,9 @@ def test_writer_killed_mid_batch_leaves_committed_batches(tmp_path):
     """A writer SIGKILLed while writing batches leaves a valid file holding only whole batches
     (requests and their tokens together), and its run reads incomplete."""
     path = tmp_path / "s.db"
-    child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(path)], cwd=REPO, stdout=subprocess.PIPE,
-                             text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, str(path)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     try:
         run = int(child.stdout.readline())
         while int(child.stdout.readline() or "0") < 3:  # "" if the child died: fails below
@@ -266,7 +318,7 @@ def test_report_command_table_csv_json(store, mixed_run, capsys):
     assert rows[1]["num_requests"] == "3" and float(rows[0]["imbalance_requests"]) == 1.5
 
     _report([str(mixed_run), "--store", db, "--json"])
-    analysis, = json.loads(capsys.readouterr().out)
+    (analysis,) = json.loads(capsys.readouterr().out)
     assert analysis["replicas"]["a"]["num_requests"] == 3 and analysis["cluster"]["ttft"]["p50"] == 0.5
 
 
@@ -301,8 +353,12 @@ def test_store_actor_writes_for_remote_callers(local_ray, tmp_path):
     ray, path = local_ray, tmp_path / "s.db"
     actor = StoreActor.options(name=STORE_ACTOR_NAME).remote(str(path))
     run = ray.get(actor.begin_run.remote("via-ray", {}, "continuous", "round-robin", 0))
-    ray.get([actor.add_requests.remote(run, [request("r1", "a", 0.0, 3)]),
-             actor.add_steps.remote(run, [step("a", 0, 1, 1, 1)])])
+    ray.get(
+        [
+            actor.add_requests.remote(run, [request("r1", "a", 0.0, 3)]),
+            actor.add_step_records.remote(run, "a", 1, [StepRecord(0, 0.0, 0.01, 1, 0, 1, 1, 1, 1, 0, 0)]),
+        ]
+    )
     ray.get(ray.get_actor(STORE_ACTOR_NAME).end_run.remote(run))
     assert MetricsStore(path).run(run)["complete"]
     assert [t.num_output_tokens for t in ray.get(actor.traces.remote(run))] == [3]

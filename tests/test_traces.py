@@ -31,13 +31,18 @@ def test_scaling_sampling_and_offset_are_applied_and_recorded():
     assert w.params["time_scale"] == 2.0 and w.params["every"] == 10 and w.params["start_offset"] == 60.0
 
 
-@pytest.mark.parametrize("body, message", [
-    ("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.6805900,374\n", ":1: missing column(s) GeneratedTokens"),
-    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,-3,44\n", ":2: negative length"),
-    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6,3,4\n2023-11-16 18:15:40.0,3,4\n",
-     ":3: timestamp goes back in time"),
-    ("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,3,4\n", ":2:"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.6805900,374\n", ":1: missing column(s) GeneratedTokens"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,-3,44\n", ":2: negative length"),
+        (
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6,3,4\n2023-11-16 18:15:40.0,3,4\n",
+            ":3: timestamp goes back in time",
+        ),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,3,4\n", ":2:"),
+    ],
+)
 def test_bad_azure_files_name_file_and_line(tmp_path, body, message):
     path = tmp_path / "bad.csv"
     path.write_text(body)
@@ -48,8 +53,10 @@ def test_bad_azure_files_name_file_and_line(tmp_path, body, message):
 def test_mooncake_jsonl(tmp_path):
     """timestamp in ms, lengths as given; a missing field names the line."""
     path = tmp_path / "trace.jsonl"
-    rows = [{"timestamp": 1000, "input_length": 100, "output_length": 10, "hash_ids": [1]},
-            {"timestamp": 1500, "input_length": 200, "output_length": 20, "hash_ids": [1, 2]}]
+    rows = [
+        {"timestamp": 1000, "input_length": 100, "output_length": 10, "hash_ids": [1]},
+        {"timestamp": 1500, "input_length": 200, "output_length": 20, "hash_ids": [1, 2]},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     w = read_mooncake_jsonl(path, time_scale=4.0)
     assert [(r.arrival, r.prompt_len, r.output_len) for r in w.requests] == [(0.0, 100, 10), (2.0, 200, 20)]

@@ -11,14 +11,34 @@ import statistics
 import pytest
 from pydantic import ValidationError
 
-from cluster.replay import replay
-from replica.clock import FakeClock
-from replica.engine import Engine, EngineConfig
+from protocol.clock import FakeClock
+from replica.config import EngineConfig
+from replica.engine import Engine
 from replica.fake_model import FlatCostModel, ScriptedFakeRunner
-from workloads import (AllAtOnce, ArrivalSchedule, BurstyArrivals, ClosedLoopArrivals, FixedLength, GammaArrivals,
-                       LognormalLength, MixtureLength, PoissonArrivals, TraceSpec, UniformLength, WorkloadSpec,
-                       burst_profile, bursty_mix, long_prompts, mean_rate_factor, parse_spec, read_azure_csv, saturated,
-                       sigma_sweep, standard_spec)
+from sim.replay import replay
+from workloads import (
+    AllAtOnce,
+    ArrivalSchedule,
+    BurstyArrivals,
+    ClosedLoopArrivals,
+    FixedLength,
+    GammaArrivals,
+    LognormalLength,
+    MixtureLength,
+    PoissonArrivals,
+    TraceSpec,
+    UniformLength,
+    WorkloadSpec,
+    burst_profile,
+    bursty_mix,
+    long_prompts,
+    mean_rate_factor,
+    parse_spec,
+    read_azure_csv,
+    saturated,
+    sigma_sweep,
+    standard_spec,
+)
 from workloads.traces import TraceError
 
 SHORT = UniformLength(low=4, high=32)
@@ -26,9 +46,17 @@ LONG = UniformLength(low=48, high=128)
 
 
 def spec(arrivals=None, n: int = 4000, **kw) -> WorkloadSpec:
-    return WorkloadSpec(**{"name": "t", "seed": 7, "num_requests": n, "arrivals": arrivals or AllAtOnce(),
-                           "prompt_len": UniformLength(low=8, high=64),
-                           "output_len": MixtureLength(components=((0.7, SHORT), (0.3, LONG))), **kw})
+    return WorkloadSpec(
+        **{
+            "name": "t",
+            "seed": 7,
+            "num_requests": n,
+            "arrivals": arrivals or AllAtOnce(),
+            "prompt_len": UniformLength(low=8, high=64),
+            "output_len": MixtureLength(components=((0.7, SHORT), (0.3, LONG))),
+            **kw,
+        }
+    )
 
 
 def gaps(workload) -> list[float]:
@@ -41,6 +69,7 @@ def cv(xs: list[float]) -> float:
 
 
 # ---- the standard workloads make the requests they made before they were specs ---------------
+
 
 def test_standard_workloads_are_unchanged():
     """Values read from the generators before the specs existed (tests and committed figures
@@ -66,8 +95,11 @@ def test_standard_workloads_are_unchanged():
 ROUND_TRIP = [
     spec(PoissonArrivals(rate=3.0), n=50, sessions=5),
     spec(GammaArrivals(rate=3.0, cv=2.5), n=50, long_prompt_share=0.2, long_prompt_len=300),
-    spec(BurstyArrivals(rate=2.0, burst_factor=4.0, period=1.5), n=50,
-         output_len=LognormalLength(median=30, sigma=1.0, low=2, high=90)),
+    spec(
+        BurstyArrivals(rate=2.0, burst_factor=4.0, period=1.5),
+        n=50,
+        output_len=LognormalLength(median=30, sigma=1.0, low=2, high=90),
+    ),
     spec(ClosedLoopArrivals(users=3, think_time=0.5), n=20, prompt_len=FixedLength(value=12)),
     standard_spec("saturated"),
 ]
@@ -109,6 +141,7 @@ def test_trace_spec_at_load_scales_time():
 
 # ---- arrival processes -------------------------------------------------------------------
 
+
 def test_poisson_rate_and_cv():
     """~4000 exponential gaps: mean rate within 5%, cv near 1."""
     w = spec(PoissonArrivals(rate=5.0)).build()
@@ -144,8 +177,9 @@ def test_lengths_do_not_depend_on_the_rate():
     """A rate or load sweep moves arrivals only: separate RNG streams."""
     s = spec(GammaArrivals(rate=1.0, cv=1.5), n=300, long_prompt_share=0.1)
     other = s.with_mean_rate(40.0).build()
-    assert [(r.prompt_len, r.output_len) for r in other.requests] == [(r.prompt_len, r.output_len)
-                                                                      for r in s.build().requests]
+    assert [(r.prompt_len, r.output_len) for r in other.requests] == [
+        (r.prompt_len, r.output_len) for r in s.build().requests
+    ]
     assert [r.arrival for r in other.requests] != [r.arrival for r in s.build().requests]
 
 
@@ -159,11 +193,16 @@ def test_rate_free_processes():
 
 # ---- length distributions ----------------------------------------------------------------
 
+
 def test_lengths_stay_in_bounds_and_the_mixture_share_is_right():
     """Uniform and lognormal lengths stay within [low, high]; a 70/30 mixture gives ~70%
     short; long prompts take their share; sessions cycle s0..s{k-1}."""
-    w = spec(output_len=LognormalLength(median=40, sigma=1.5, low=5, high=200), long_prompt_share=0.25,
-             long_prompt_len=999, sessions=3).build()
+    w = spec(
+        output_len=LognormalLength(median=40, sigma=1.5, low=5, high=200),
+        long_prompt_share=0.25,
+        long_prompt_len=999,
+        sessions=3,
+    ).build()
     assert all(5 <= r.output_len <= 200 for r in w.requests)
     assert {min(w.output_lens), max(w.output_lens)} == {5, 200}  # sigma 1.5 reaches both clips
     assert all(8 <= r.prompt_len <= 64 or r.prompt_len == 999 for r in w.requests)
@@ -180,25 +219,29 @@ def test_lengths_stay_in_bounds_and_the_mixture_share_is_right():
 
 # ---- bad specs name the field ------------------------------------------------------------
 
-@pytest.mark.parametrize("data, field", [
-    ({"arrivals": {"process": "weibull", "rate": 1.0}}, "weibull"),
-    ({"arrivals": {"process": "poisson", "rate": 0}}, "rate"),
-    ({"arrivals": {"process": "gamma", "rate": 1.0, "cv": -1}}, "cv"),
-    ({"arrivals": {"process": "bursty", "rate": 1.0, "burst_factor": 0.5}}, "burst_factor"),
-    ({"arrivals": {"process": "closed_loop", "users": 0}}, "users"),
-    ({"arrivals": {"process": "closed_loop", "users": 2, "think_time": -1}}, "think_time"),
-    ({"output_len": {"kind": "fixed", "value": 0}}, "value"),
-    ({"output_len": {"kind": "uniform", "low": 50, "high": 10}}, "high"),
-    ({"output_len": {"kind": "lognormal", "median": -3, "sigma": 1, "high": 10}}, "median"),
-    ({"output_len": {"kind": "zipf"}}, "zipf"),
-    ({"output_len": {"kind": "mixture", "components": [[0, {"kind": "fixed", "value": 3}]]}}, "weights"),
-    ({"output_len": {"kind": "mixture", "components": [[-1, {"kind": "fixed", "value": 3}]]}}, "components"),
-    ({"num_requests": 0}, "num_requests"),
-    ({"long_prompt_share": 1.5}, "long_prompt_share"),
-    ({"sessions": 0}, "sessions"),
-    ({"rate": 3.0}, "rate"),  # extra="forbid": a misplaced field is an error, not ignored
-    ({"rng_layout": "single", "arrivals": {"process": "poisson", "rate": 1.0}}, "rng_layout"),
-])
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"arrivals": {"process": "weibull", "rate": 1.0}}, "weibull"),
+        ({"arrivals": {"process": "poisson", "rate": 0}}, "rate"),
+        ({"arrivals": {"process": "gamma", "rate": 1.0, "cv": -1}}, "cv"),
+        ({"arrivals": {"process": "bursty", "rate": 1.0, "burst_factor": 0.5}}, "burst_factor"),
+        ({"arrivals": {"process": "closed_loop", "users": 0}}, "users"),
+        ({"arrivals": {"process": "closed_loop", "users": 2, "think_time": -1}}, "think_time"),
+        ({"output_len": {"kind": "fixed", "value": 0}}, "value"),
+        ({"output_len": {"kind": "uniform", "low": 50, "high": 10}}, "high"),
+        ({"output_len": {"kind": "lognormal", "median": -3, "sigma": 1, "high": 10}}, "median"),
+        ({"output_len": {"kind": "zipf"}}, "zipf"),
+        ({"output_len": {"kind": "mixture", "components": [[0, {"kind": "fixed", "value": 3}]]}}, "weights"),
+        ({"output_len": {"kind": "mixture", "components": [[-1, {"kind": "fixed", "value": 3}]]}}, "components"),
+        ({"num_requests": 0}, "num_requests"),
+        ({"long_prompt_share": 1.5}, "long_prompt_share"),
+        ({"sessions": 0}, "sessions"),
+        ({"rate": 3.0}, "rate"),  # extra="forbid": a misplaced field is an error, not ignored
+        ({"rng_layout": "single", "arrivals": {"process": "poisson", "rate": 1.0}}, "rng_layout"),
+    ],
+)
 def test_bad_specs_name_the_field(data, field):
     good = spec(n=10).model_dump(mode="json")
     with pytest.raises(ValidationError, match=field):
@@ -219,6 +262,7 @@ def test_bad_trace_and_standard_specs():
 
 
 # ---- the arrival schedule ----------------------------------------------------------------
+
 
 def test_open_loop_schedule_releases_planned_arrivals_in_order():
     """Open loop: due() hands out everything planned up to now, ties in request order, once."""
@@ -258,13 +302,16 @@ def test_closed_loop_schedule_releases_on_finish():
 
 @pytest.mark.parametrize("users, slots, think", [(3, 8, 0.25), (6, 4, 0.0)])
 def test_closed_loop_replay_on_a_fake_clock(users, slots, think):
-    """Through cluster.replay with the fake runner: never more than `users` requests in
+    """Through sim.replay with the fake runner: never more than `users` requests in
     flight, each user's next request arrives exactly think_time after its previous one
     finished, none is submitted later than the step running at its time, and all finish.
     With more users than slots, the extra ones queue."""
     clock = FakeClock()
-    engine = Engine(EngineConfig(policy="continuous", num_slots=slots, max_seq_len=256),
-                    ScriptedFakeRunner(clock, FlatCostModel(0.01), vocab_size=1000), clock)
+    engine = Engine(
+        EngineConfig(policy="continuous", num_slots=slots, max_seq_len=256),
+        ScriptedFakeRunner(clock, FlatCostModel(0.01), vocab_size=1000),
+        clock,
+    )
     w = spec(ClosedLoopArrivals(users=users, think_time=think), n=30).build()
     result = replay(engine, w)
     by_index = {int(t.request_id.rsplit("-", 1)[1]): t for t in result.traces}
@@ -272,8 +319,10 @@ def test_closed_loop_replay_on_a_fake_clock(users, slots, think):
     assert all(by_index[i].arrival == 0.0 for i in range(users))
     for i in range(users, 30):
         assert by_index[i].arrival == pytest.approx(by_index[i - users].finish_time + think, abs=1e-12)
-    events = sorted([(t.arrival, 1) for t in result.traces] + [(t.finish_time, -1) for t in result.traces],
-                    key=lambda e: (e[0], e[1]))  # at equal times an end frees its user first
+    events = sorted(
+        [(t.arrival, 1) for t in result.traces] + [(t.finish_time, -1) for t in result.traces],
+        key=lambda e: (e[0], e[1]),
+    )  # at equal times an end frees its user first
     in_flight = peak = 0
     for _, delta in events:
         in_flight += delta
@@ -284,6 +333,7 @@ def test_closed_loop_replay_on_a_fake_clock(users, slots, think):
 
 # ---- the cluster driver follows the schedule ------------------------------------------------
 
+
 def test_closed_loop_through_the_cluster_driver(tmp_path):
     """On a real local Ray cluster: the driver submits a closed loop's next request only after
     the user's previous one came back (plus think time), and stores the spec with the run."""
@@ -291,7 +341,7 @@ def test_closed_loop_through_the_cluster_driver(tmp_path):
 
     from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
     from cluster.driver import run_workload
-    from cluster.store import MetricsStore
+    from metrics.store import MetricsStore
     from replica.serving import ReplicaConfig
 
     think, users = 0.05, 2
@@ -300,8 +350,15 @@ def test_closed_loop_through_the_cluster_driver(tmp_path):
     try:
         replica = ReplicaConfig(engine=EngineConfig(num_slots=4, max_seq_len=256), fake_step_seconds=0.005)
         deployment = start_cluster(ClusterSpec(num_replicas=1, replica=replica, store_path=str(tmp_path / "s.db")))
-        run_id = run_workload(deployment, w, name="closed", config={}, batching_policy="continuous",
-                              routing_policy="round_robin", progress=False)
+        run_id = run_workload(
+            deployment,
+            w,
+            name="closed",
+            config={},
+            batching_policy="continuous",
+            routing_policy="round_robin",
+            progress=False,
+        )
     finally:
         stop_cluster()
         ray.shutdown()

@@ -1,5 +1,5 @@
-"""Standard workloads follow DESIGN.md's definitions and are reproducible; the metric
-definitions compute what DESIGN.md says on hand-made traces."""
+"""Standard workloads follow docs/ARCHITECTURE.md's definitions and are reproducible; the metric
+definitions compute what docs/ARCHITECTURE.md says on hand-made traces."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from cluster.metrics import SLO, RequestTrace, percentiles, summarize
+from metrics.definitions import SLO, RequestTrace, percentiles, summarize
 from workloads import bursty_mix, long_prompts, prompt_token_ids, saturated, sigma_sweep
 
 

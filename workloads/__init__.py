@@ -4,8 +4,17 @@ Every workload is built from a serialisable spec (`workloads.spec`) that travels
 replayed through one `ArrivalSchedule`. Nothing here imports the engine or Ray; a workload is
 read by the engine scripts, the cluster driver and the simulator alike."""
 
-from workloads.arrivals import (AllAtOnce, ArrivalProcess, BurstProfile, BurstyArrivals, ClosedLoopArrivals,
-                                GammaArrivals, PoissonArrivals, burst_profile, mean_rate_factor)
+from workloads.arrivals import (
+    AllAtOnce,
+    ArrivalProcess,
+    BurstProfile,
+    BurstyArrivals,
+    ClosedLoopArrivals,
+    GammaArrivals,
+    PoissonArrivals,
+    burst_profile,
+    mean_rate_factor,
+)
 from workloads.lengths import FixedLength, LengthDist, LognormalLength, MixtureLength, UniformLength
 from workloads.schedule import ArrivalSchedule
 from workloads.spec import TraceSpec, WorkloadSpec, parse_spec
@@ -14,9 +23,36 @@ from workloads.traces import TraceError, read_azure_csv, read_mooncake_jsonl
 from workloads.workload import ClosedLoop, Workload, WorkloadRequest, prompt_token_ids
 
 __all__ = [
-    "AllAtOnce", "ArrivalProcess", "ArrivalSchedule", "BurstProfile", "BurstyArrivals", "ClosedLoop",
-    "ClosedLoopArrivals", "FixedLength", "GammaArrivals", "LengthDist", "LognormalLength", "MixtureLength",
-    "PoissonArrivals", "STANDARD_SPECS", "TraceError", "TraceSpec", "UniformLength", "Workload", "WorkloadRequest",
-    "WorkloadSpec", "at_load", "burst_profile", "bursty_mix", "long_prompts", "mean_rate_factor", "parse_spec",
-    "prompt_token_ids", "read_azure_csv", "read_mooncake_jsonl", "saturated", "sigma_sweep", "standard_spec",
+    "AllAtOnce",
+    "ArrivalProcess",
+    "ArrivalSchedule",
+    "BurstProfile",
+    "BurstyArrivals",
+    "ClosedLoop",
+    "ClosedLoopArrivals",
+    "FixedLength",
+    "GammaArrivals",
+    "LengthDist",
+    "LognormalLength",
+    "MixtureLength",
+    "PoissonArrivals",
+    "STANDARD_SPECS",
+    "TraceError",
+    "TraceSpec",
+    "UniformLength",
+    "Workload",
+    "WorkloadRequest",
+    "WorkloadSpec",
+    "at_load",
+    "burst_profile",
+    "bursty_mix",
+    "long_prompts",
+    "mean_rate_factor",
+    "parse_spec",
+    "prompt_token_ids",
+    "read_azure_csv",
+    "read_mooncake_jsonl",
+    "saturated",
+    "sigma_sweep",
+    "standard_spec",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
 
@@ -132,8 +132,9 @@ class ClosedLoopArrivals(_Process):
     think_time: NonNegativeFloat = 0.0
 
 
-ArrivalProcess = Annotated[Union[AllAtOnce, PoissonArrivals, BurstyArrivals, GammaArrivals, ClosedLoopArrivals],
-                           Field(discriminator="process")]
+ArrivalProcess = Annotated[
+    AllAtOnce | PoissonArrivals | BurstyArrivals | GammaArrivals | ClosedLoopArrivals, Field(discriminator="process")
+]
 
 
 @dataclass(frozen=True)

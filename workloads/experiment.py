@@ -9,7 +9,7 @@ key's path. Bad traces surface their TraceError (trace file and line) here too, 
 workload of every seed is built at load time.
 
 Policy names are checked against registries the caller passes (`batching`, `routing`):
-`workloads` imports neither `replica` nor `router` (DESIGN.md), so `cluster.experiment`
+`workloads` imports neither `replica` nor `router` (docs/ARCHITECTURE.md), so `experiments.plan`
 passes `replica.policies.POLICIES` and `router.policies.ROUTING_POLICIES`.
 
 Relative paths (a trace, a cost model) are relative to the experiment file's folder, so a
@@ -18,13 +18,24 @@ file means the same thing from any working directory."""
 from __future__ import annotations
 
 import re
-import tomllib
+from collections.abc import Collection
 from pathlib import Path
-from typing import Any, Collection, Literal
+from typing import Any, Literal
 
+import tomllib
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, PrivateAttr, ValidationError,
-                      ValidationInfo, field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from workloads.spec import TraceSpec, WorkloadSpec, parse_spec
 from workloads.standard import STANDARD_SPECS, standard_spec
@@ -55,9 +66,7 @@ class WorkloadSection(_Section):
     @field_validator("standard")
     @classmethod
     def _known_standard(cls, name: str | None) -> str | None:
-        if name is not None and name not in STANDARD_SPECS:
-            raise ValueError(f"unknown standard workload {name!r}; choose one of {', '.join(STANDARD_SPECS)}")
-        return name
+        return name if name is None else STANDARD_SPECS.check(name)
 
     @model_validator(mode="after")
     def _one_source(self) -> WorkloadSection:
@@ -101,10 +110,9 @@ def _unique(values: list) -> list:
 
 
 def _known(names: list[str], info: ValidationInfo, kind: str) -> list[str]:
-    known = (info.context or {})[kind]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ValueError(f"unknown {kind} policy {unknown[0]!r}; choose one of {', '.join(known)}")
+    registry = (info.context or {})[kind]  # a protocol.registry.Registry: its error names the choices
+    for name in names:
+        registry.check(name)
     return _unique(names)
 
 
@@ -190,8 +198,9 @@ class Experiment(_Section):
         return self.sweep.workload or [{}]
 
 
-def load_experiment(path: str | Path, *, batching: Collection[str], routing: Collection[str],
-                    seeds: list[int] | None = None) -> Experiment:
+def load_experiment(
+    path: str | Path, *, batching: Collection[str], routing: Collection[str], seeds: list[int] | None = None
+) -> Experiment:
     """Read, validate and build an experiment file (`.toml`, `.yaml` or `.yml`): every key, the
     policy names (against `batching` and `routing`), and the workload of every seed. `seeds`
     replaces the file's sweep.seeds (a command-line override)."""
@@ -204,7 +213,7 @@ def load_experiment(path: str | Path, *, batching: Collection[str], routing: Col
     if seeds is not None and isinstance(data.get("sweep", {}), dict):
         data["sweep"] = {**data.get("sweep", {}), "seeds": seeds}
     try:
-        experiment = Experiment.model_validate(data, context={"batching": list(batching), "routing": list(routing)})
+        experiment = Experiment.model_validate(data, context={"batching": batching, "routing": routing})
     except ValidationError as err:
         raise _first_error(path, lines, err, ()) from None
     experiment._path, experiment._lines = path, lines
@@ -214,6 +223,7 @@ def load_experiment(path: str | Path, *, batching: Collection[str], routing: Col
 
 
 # --- the workload -------------------------------------------------------------------------
+
 
 def _base_spec(experiment: Experiment) -> WorkloadSpec | TraceSpec:
     section = experiment.workload
@@ -261,12 +271,21 @@ def _check_workloads(experiment: Experiment) -> None:
     """Build the workload of every seed (and at a load, when the sweep has one), so a bad
     trace or a spec that cannot run at a load fails now, before any run."""
     loads = experiment.sweep.load
-    specs = {s.model_dump_json(): s for s in (experiment.workload_spec(seed, args) for seed in experiment.sweep.seeds
-                                               for args in experiment.workload_variants())}  # a trace: one
+    specs = {
+        s.model_dump_json(): s
+        for s in (
+            experiment.workload_spec(seed, args)
+            for seed in experiment.sweep.seeds
+            for args in experiment.workload_variants()
+        )
+    }  # a trace: one
     for spec in specs.values():
         if loads and not spec.has_rate:
-            raise experiment.error(("sweep", "load"), f"workload {spec.name!r} has no arrival rate (all at once or "
-                                   "closed loop), so it cannot run at a load: remove sweep.load")
+            raise experiment.error(
+                ("sweep", "load"),
+                f"workload {spec.name!r} has no arrival rate (all at once or "
+                "closed loop), so it cannot run at a load: remove sweep.load",
+            )
         try:
             (spec.at_load(loads[0], 1.0) if loads else spec).build()
         except TraceError as err:

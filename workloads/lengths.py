@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
 
@@ -83,5 +83,5 @@ class MixtureLength(SpecModel):
         return self.components[-1][1].sample(rng)
 
 
-LengthDist = Annotated[Union[FixedLength, UniformLength, LognormalLength, MixtureLength], Field(discriminator="kind")]
+LengthDist = Annotated[FixedLength | UniformLength | LognormalLength | MixtureLength, Field(discriminator="kind")]
 MixtureLength.model_rebuild()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Annotated, Literal, Self, Union
+from typing import Annotated, Literal, Self
 
 from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, TypeAdapter, model_validator
 
@@ -69,8 +69,10 @@ class WorkloadSpec(_Spec):
     @model_validator(mode="after")
     def _single_layout_is_saturated_only(self) -> WorkloadSpec:
         if self.rng_layout == "single" and (not isinstance(self.arrivals, AllAtOnce) or self.long_prompt_share > 0):
-            raise ValueError("rng_layout 'single' needs all_at_once arrivals and long_prompt_share 0 "
-                             "(use 'split', so lengths do not depend on the arrivals)")
+            raise ValueError(
+                "rng_layout 'single' needs all_at_once arrivals and long_prompt_share 0 "
+                "(use 'split', so lengths do not depend on the arrivals)"
+            )
         return self
 
     @property
@@ -95,10 +97,16 @@ class WorkloadSpec(_Spec):
                 output = self.output_len.sample(rng)
                 prompt = self.long_prompt_len if rng.random() < self.long_prompt_share else self.prompt_len.sample(rng)
                 lengths.append((prompt, output))
-        requests = [WorkloadRequest(t, prompt, output, None if self.sessions is None else f"s{i % self.sessions}")
-                    for i, (t, (prompt, output)) in enumerate(zip(times, lengths))]
-        params = {"num_requests": n, **self.arrivals.model_dump(), "long_prompt_share": self.long_prompt_share,
-                  "long_prompt_len": self.long_prompt_len}
+        requests = [
+            WorkloadRequest(t, prompt, output, None if self.sessions is None else f"s{i % self.sessions}")
+            for i, (t, (prompt, output)) in enumerate(zip(times, lengths))
+        ]
+        params = {
+            "num_requests": n,
+            **self.arrivals.model_dump(),
+            "long_prompt_share": self.long_prompt_share,
+            "long_prompt_len": self.long_prompt_len,
+        }
         if self.arrivals.mean_rate is not None:
             params["mean_rate_requests_per_s"] = self.arrivals.mean_rate
         closed = self.arrivals
@@ -128,8 +136,14 @@ class TraceSpec(_Spec):
 
     def build(self) -> Workload:
         reader = read_azure_csv if self.format == "azure" else read_mooncake_jsonl
-        workload = reader(self.path or AZURE_CONV, time_scale=self.time_scale, length_scale=self.length_scale,
-                          every=self.every, limit=self.limit, start_offset=self.start_offset)
+        workload = reader(
+            self.path or AZURE_CONV,
+            time_scale=self.time_scale,
+            length_scale=self.length_scale,
+            every=self.every,
+            limit=self.limit,
+            start_offset=self.start_offset,
+        )
         return dataclasses.replace(workload, name=self.name or workload.name, spec=self.model_dump(mode="json"))
 
     def with_mean_rate(self, rate: float) -> TraceSpec:
@@ -143,7 +157,7 @@ class TraceSpec(_Spec):
         return self.replace(time_scale=self.time_scale * (len(requests) - 1) / span / rate)
 
 
-AnyWorkloadSpec = Annotated[Union[WorkloadSpec, TraceSpec], Field(discriminator="source")]
+AnyWorkloadSpec = Annotated[WorkloadSpec | TraceSpec, Field(discriminator="source")]
 _ANY_SPEC = TypeAdapter(AnyWorkloadSpec)
 
 

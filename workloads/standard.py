@@ -1,10 +1,11 @@
-"""The standard workloads of DESIGN.md as named, seeded specs (`STANDARD_SPECS`: name -> spec
+"""The standard workloads of docs/ARCHITECTURE.md as named, seeded specs (`STANDARD_SPECS`: name -> spec
 factory), and the built workloads that tests and benchmarks replay."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
+from protocol.registry import Registry
 from workloads.arrivals import AllAtOnce, BurstyArrivals
 from workloads.lengths import LognormalLength, MixtureLength, UniformLength
 from workloads.spec import TraceSpec, WorkloadSpec
@@ -13,15 +14,22 @@ from workloads.workload import Workload
 SIGMAS = (0.0, 0.4, 0.8, 1.2)
 
 # bursty-mix's outputs: 70% short (4-32 tokens), 30% long (48-128).
-SHORT_OR_LONG_OUTPUT = MixtureLength(components=((0.7, UniformLength(low=4, high=32)),
-                                                 (0.3, UniformLength(low=48, high=128))))
+SHORT_OR_LONG_OUTPUT = MixtureLength(
+    components=((0.7, UniformLength(low=4, high=32)), (0.3, UniformLength(low=48, high=128)))
+)
 
 
 def saturated_spec(num_requests: int = 48, sigma: float = 0.8, median: float = 48, seed: int = 0) -> WorkloadSpec:
     """Everything arrives at t=0: prompts 16-64 tokens, outputs lognormal (median 48, clipped to [4, 256])."""
-    return WorkloadSpec(name="saturated", seed=seed, num_requests=num_requests, arrivals=AllAtOnce(),
-                        prompt_len=UniformLength(low=16, high=64),
-                        output_len=LognormalLength(median=median, sigma=sigma, low=4, high=256), rng_layout="single")
+    return WorkloadSpec(
+        name="saturated",
+        seed=seed,
+        num_requests=num_requests,
+        arrivals=AllAtOnce(),
+        prompt_len=UniformLength(low=16, high=64),
+        output_len=LognormalLength(median=median, sigma=sigma, low=4, high=256),
+        rng_layout="single",
+    )
 
 
 def sigma_sweep_spec(sigma: float = 0.8, num_requests: int = 48, seed: int = 0) -> WorkloadSpec:
@@ -29,47 +37,75 @@ def sigma_sweep_spec(sigma: float = 0.8, num_requests: int = 48, seed: int = 0) 
     return saturated_spec(num_requests, sigma=sigma, seed=seed).replace(name=f"sigma-sweep[{sigma}]")
 
 
-def bursty_mix_spec(num_requests: int = 64, rate: float = 4.0, burst_factor: float = 3.0, period: float = 2.0,
-                    long_prompt_share: float = 0.0, long_prompt_len: int = 480, seed: int = 0) -> WorkloadSpec:
+def bursty_mix_spec(
+    num_requests: int = 64,
+    rate: float = 4.0,
+    burst_factor: float = 3.0,
+    period: float = 2.0,
+    long_prompt_share: float = 0.0,
+    long_prompt_len: int = 480,
+    seed: int = 0,
+) -> WorkloadSpec:
     """Bursty Poisson arrivals (base rate in requests/s); 70% short outputs (4-32), 30% long (48-128);
     prompts 8-64 tokens, or `long_prompt_len` for a `long_prompt_share` of requests; 8 sessions."""
-    return WorkloadSpec(name="bursty-mix" if long_prompt_share == 0 else "long-prompts", seed=seed,
-                        num_requests=num_requests,
-                        arrivals=BurstyArrivals(rate=rate, burst_factor=burst_factor, period=period),
-                        prompt_len=UniformLength(low=8, high=64), output_len=SHORT_OR_LONG_OUTPUT,
-                        long_prompt_share=long_prompt_share, long_prompt_len=long_prompt_len, sessions=8)
+    return WorkloadSpec(
+        name="bursty-mix" if long_prompt_share == 0 else "long-prompts",
+        seed=seed,
+        num_requests=num_requests,
+        arrivals=BurstyArrivals(rate=rate, burst_factor=burst_factor, period=period),
+        prompt_len=UniformLength(low=8, high=64),
+        output_len=SHORT_OR_LONG_OUTPUT,
+        long_prompt_share=long_prompt_share,
+        long_prompt_len=long_prompt_len,
+        sessions=8,
+    )
 
 
-def long_prompts_spec(num_requests: int = 64, rate: float = 4.0, burst_factor: float = 3.0, period: float = 2.0,
-                      seed: int = 0) -> WorkloadSpec:
+def long_prompts_spec(
+    num_requests: int = 64, rate: float = 4.0, burst_factor: float = 3.0, period: float = 2.0, seed: int = 0
+) -> WorkloadSpec:
     """bursty-mix with 15% prompts of 480 tokens: the prefill-stall case."""
     return bursty_mix_spec(num_requests, rate, burst_factor, period, long_prompt_share=0.15, seed=seed)
 
 
-def azure_conv_spec(num_requests: int = 200, seed: int = 0, time_scale: float = 1.0, length_scale: float = 0.05,
-                    every: int = 1, start_offset: float = 0.0) -> TraceSpec:
+def azure_conv_spec(
+    num_requests: int = 200,
+    seed: int = 0,
+    time_scale: float = 1.0,
+    length_scale: float = 0.05,
+    every: int = 1,
+    start_offset: float = 0.0,
+) -> TraceSpec:
     """The first `num_requests` of the shipped Azure conversation trace (after `start_offset`
     seconds, every `every`-th), lengths x 0.05 by default (mean prompt about 58 tokens, mean
     output about 11) so it fits a small replica. A trace has no seed: `seed` must be 0."""
     if seed != 0:
         raise ValueError(f"seed: the azure-conv trace is fixed, sample it with every/start_offset (got seed {seed})")
-    return TraceSpec(format="azure", name="azure-conv", limit=num_requests, time_scale=time_scale,
-                     length_scale=length_scale, every=every, start_offset=start_offset)
+    return TraceSpec(
+        format="azure",
+        name="azure-conv",
+        limit=num_requests,
+        time_scale=time_scale,
+        length_scale=length_scale,
+        every=every,
+        start_offset=start_offset,
+    )
 
 
-STANDARD_SPECS: dict[str, Callable[..., WorkloadSpec | TraceSpec]] = {
-    "saturated": saturated_spec,
-    "sigma-sweep": sigma_sweep_spec,
-    "bursty-mix": bursty_mix_spec,
-    "long-prompts": long_prompts_spec,
-    "azure-conv": azure_conv_spec,
-}
+STANDARD_SPECS: Registry[Callable[..., WorkloadSpec | TraceSpec]] = Registry(
+    "standard workload",
+    {
+        "saturated": saturated_spec,
+        "sigma-sweep": sigma_sweep_spec,
+        "bursty-mix": bursty_mix_spec,
+        "long-prompts": long_prompts_spec,
+        "azure-conv": azure_conv_spec,
+    },
+)
 
 
 def standard_spec(name: str, **kwargs) -> WorkloadSpec | TraceSpec:
     """The standard workload `name` made with `kwargs` (the factory's arguments)."""
-    if name not in STANDARD_SPECS:
-        raise ValueError(f"workload: unknown standard workload {name!r}; known: {', '.join(STANDARD_SPECS)}")
     return STANDARD_SPECS[name](**kwargs)
 
 
@@ -93,8 +129,9 @@ def long_prompts(*args, **kwargs) -> Workload:
     return long_prompts_spec(*args, **kwargs).build()
 
 
-def at_load(name: str, num_requests: int, load: float, capacity_tokens_per_s: float, seed: int = 0,
-            **shape) -> Workload:
+def at_load(
+    name: str, num_requests: int, load: float, capacity_tokens_per_s: float, seed: int = 0, **shape
+) -> Workload:
     """The named standard workload with arrivals at `load` x a measured capacity (output
     tokens/s), built, with load and capacity in its params (see `WorkloadSpec.at_load`).
     `saturated` has no rate and comes back as it is."""

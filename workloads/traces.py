@@ -26,8 +26,17 @@ class TraceError(ValueError):
     """A trace file is malformed; the message names the file and line."""
 
 
-def _scaled(raw: list[tuple[float, int, int, int]], path: Path, name: str, time_scale: float, length_scale: float,
-            every: int, limit: int | None, start_offset: float, extra: dict) -> Workload:
+def _scaled(
+    raw: list[tuple[float, int, int, int]],
+    path: Path,
+    name: str,
+    time_scale: float,
+    length_scale: float,
+    every: int,
+    limit: int | None,
+    start_offset: float,
+    extra: dict,
+) -> Workload:
     """raw: (seconds since the trace's first request, prompt, output, line). Checks, samples,
     scales, and rebases arrivals to 0 at the first request kept."""
     if time_scale <= 0 or length_scale <= 0 or every < 1:
@@ -43,15 +52,30 @@ def _scaled(raw: list[tuple[float, int, int, int]], path: Path, name: str, time_
     if not kept:
         raise TraceError(f"{path}: no requests after start offset {start_offset} s")
     t0 = kept[0][0]
-    requests = [WorkloadRequest((t - t0) * time_scale, max(1, round(p * length_scale)), max(1, round(o * length_scale)))
-                for t, p, o, _ in kept]
-    params = {"path": path.name, "time_scale": time_scale, "length_scale": length_scale, "every": every,
-              "limit": limit, "start_offset": start_offset, **extra}
+    requests = [
+        WorkloadRequest((t - t0) * time_scale, max(1, round(p * length_scale)), max(1, round(o * length_scale)))
+        for t, p, o, _ in kept
+    ]
+    params = {
+        "path": path.name,
+        "time_scale": time_scale,
+        "length_scale": length_scale,
+        "every": every,
+        "limit": limit,
+        "start_offset": start_offset,
+        **extra,
+    }
     return Workload(name, 0, requests, params)
 
 
-def read_azure_csv(path: str | Path = AZURE_CONV, time_scale: float = 1.0, length_scale: float = 1.0, every: int = 1,
-                   limit: int | None = None, start_offset: float = 0.0) -> Workload:
+def read_azure_csv(
+    path: str | Path = AZURE_CONV,
+    time_scale: float = 1.0,
+    length_scale: float = 1.0,
+    every: int = 1,
+    limit: int | None = None,
+    start_offset: float = 0.0,
+) -> Workload:
     """The Azure LLM inference trace format: TIMESTAMP, ContextTokens, GeneratedTokens."""
     path = Path(path)
     with open(path, newline="") as f:
@@ -71,8 +95,14 @@ def read_azure_csv(path: str | Path = AZURE_CONV, time_scale: float = 1.0, lengt
     return _scaled(raw, path, "azure-conv", time_scale, length_scale, every, limit, start_offset, {})
 
 
-def read_mooncake_jsonl(path: str | Path, time_scale: float = 1.0, length_scale: float = 1.0, every: int = 1,
-                        limit: int | None = None, start_offset: float = 0.0) -> Workload:
+def read_mooncake_jsonl(
+    path: str | Path,
+    time_scale: float = 1.0,
+    length_scale: float = 1.0,
+    every: int = 1,
+    limit: int | None = None,
+    start_offset: float = 0.0,
+) -> Workload:
     """The Mooncake format: one JSON object a line with `timestamp` (ms), `input_length`,
     `output_length` (and `hash_ids`, not used here)."""
     path = Path(path)
@@ -83,7 +113,9 @@ def read_mooncake_jsonl(path: str | Path, time_scale: float = 1.0, length_scale:
                 continue
             try:
                 row = json.loads(text)
-                raw.append((float(row["timestamp"]) / 1000.0, int(row["input_length"]), int(row["output_length"]), line))
+                raw.append(
+                    (float(row["timestamp"]) / 1000.0, int(row["input_length"]), int(row["output_length"]), line)
+                )
             except KeyError as err:
                 raise TraceError(f"{path}:{line}: missing field {err}") from None
             except (TypeError, ValueError) as err:

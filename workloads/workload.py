@@ -55,10 +55,15 @@ class Workload:
         span = max(r.arrival for r in self.requests) if n else 0.0
         mean_out = sum(self.output_lens) / n if n else 0.0
         mean_in = sum(r.prompt_len for r in self.requests) / n if n else 0.0
-        timing = (f"{self.closed_loop.users} closed-loop users (think {self.closed_loop.think_time:g} s)"
-                  if self.closed_loop else f"over {span:.2f} s")
-        return (f"{self.name} (seed {self.seed}): {n} requests {timing}, "
-                f"mean prompt {mean_in:.1f} tokens, mean output {mean_out:.1f} tokens")
+        timing = (
+            f"{self.closed_loop.users} closed-loop users (think {self.closed_loop.think_time:g} s)"
+            if self.closed_loop
+            else f"over {span:.2f} s"
+        )
+        return (
+            f"{self.name} (seed {self.seed}): {n} requests {timing}, "
+            f"mean prompt {mean_in:.1f} tokens, mean output {mean_out:.1f} tokens"
+        )
 
 
 # Token ids below this are reserved for special and byte tokens in the models we ship.

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import matplotlib
 
@@ -13,14 +13,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cluster.metrics import RequestTrace  # noqa: E402
+from metrics.definitions import RequestTrace  # noqa: E402
 
 
 def latency_cdfs(ax_ttft, ax_itl, named: dict[str, Sequence[RequestTrace]]) -> None:
     """TTFT and pooled inter-token-latency distributions, one line per name."""
     for name, traces in named.items():
-        for ax, values in ((ax_ttft, [t.ttft for t in traces if t.ttft is not None]),
-                           (ax_itl, [g for t in traces for g in t.itls])):
+        for ax, values in (
+            (ax_ttft, [t.ttft for t in traces if t.ttft is not None]),
+            (ax_itl, [g for t in traces for g in t.itls]),
+        ):
             values = sorted(values)
             if values:
                 ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=name)
@@ -48,8 +50,12 @@ def occupancy_lines(ax, steps: list[dict], prefix: str = "") -> None:
     t0 = min((s["time"] for s in steps), default=0.0)
     for replica in sorted({s["replica_id"] for s in steps}):
         mine = [s for s in steps if s["replica_id"] == replica]
-        ax.plot([s["time"] - t0 for s in mine], [s["live_slots"] / s["num_slots"] for s in mine],
-                label=f"{prefix}{replica}", linewidth=0.8)
+        ax.plot(
+            [s["time"] - t0 for s in mine],
+            [s["live_slots"] / s["num_slots"] for s in mine],
+            label=f"{prefix}{replica}",
+            linewidth=0.8,
+        )
     ax.set_xlabel("time in run (s)")
     ax.set_ylabel("occupancy (live slots / slots)")
 
@@ -75,6 +81,7 @@ def _grid(n: int, width: float = 5.0, height: float = 3.2):
 # --- experiment sweeps --------------------------------------------------------------------
 
 MAX_PANELS = 12  # runs drawn one panel each (occupancy, slot timelines): the first rows of a sweep
+
 
 @dataclass
 class SweepPoint:
@@ -181,18 +188,32 @@ def plot_slot_timelines(named: dict[str, tuple[list[SlotSpan], int]], path: Path
     fig, axes = _grid(len(named), width=6.0)
     for ax, (name, (spans, num_slots)) in zip(axes, named.items()):
         t0 = min((s.start for s in spans), default=0.0)
-        ax.barh([s.lane for s in spans], [s.first_token - s.start for s in spans],
-                left=[s.start - t0 for s in spans], color="tab:red", label="prefill step")
-        ax.barh([s.lane for s in spans], [s.last_token - s.first_token for s in spans],
-                left=[s.first_token - t0 for s in spans], color="tab:blue", alpha=0.5, edgecolor="white",
-                linewidth=0.5, label="decode")
+        ax.barh(
+            [s.lane for s in spans],
+            [s.first_token - s.start for s in spans],
+            left=[s.start - t0 for s in spans],
+            color="tab:red",
+            label="prefill step",
+        )
+        ax.barh(
+            [s.lane for s in spans],
+            [s.last_token - s.first_token for s in spans],
+            left=[s.first_token - t0 for s in spans],
+            color="tab:blue",
+            alpha=0.5,
+            edgecolor="white",
+            linewidth=0.5,
+            label="decode",
+        )
         ax.set_ylim(-0.6, max([num_slots] + [s.lane + 1 for s in spans]) - 0.4)
         ax.set_xlabel("time in run (s)")
         ax.set_ylabel("slot (greedy lane)")
         ax.set_title(name, fontsize=8)
         ax.legend(fontsize=7, loc="upper right")
-    fig.suptitle("Slot timeline of one replica's first requests, derived from token times and steps (the store "
-                 "has no per-slot rows): a lane is a slot (greedy),\nred = the step that made the first token, blue = "
-                 "decode to the step that made the last, white = free or (static batching) held by a finished request",
-                 fontsize=8)
+    fig.suptitle(
+        "Slot timeline of one replica's first requests, derived from token times and steps (the store "
+        "has no per-slot rows): a lane is a slot (greedy),\nred = the step that made the first token, blue = "
+        "decode to the step that made the last, white = free or (static batching) held by a finished request",
+        fontsize=8,
+    )
     return _save(fig, path)

@@ -12,10 +12,11 @@ import statistics
 from dataclasses import asdict
 from pathlib import Path
 
-from cluster.metrics import SLO, summarize, slot_efficiency
-from cluster.replay import ReplayResult, replay
-from replica.engine import Engine, EngineConfig
+from metrics.definitions import SLO, slot_efficiency, summarize
+from replica.config import EngineConfig
+from replica.engine import Engine
 from replica.model_runner import ModelRunner
+from sim.replay import ReplayResult, replay
 from workloads.standard import at_load
 
 
@@ -33,55 +34,99 @@ def measure_decode_capacity(runner: ModelRunner, num_slots: int, max_seq_len: in
     return num_slots / statistics.median(times[2:] or times)
 
 
-def compare_policies(policies: list[str], workload: str = "long-prompts", num_requests: int = 24, load: float = 0.8,
-                     num_slots: int = 8, max_seq_len: int = 640, token_budget: int = 64, model: str = "smollm2-135m",
-                     dtype: str = "float32", seed: int = 0, slo: SLO = SLO(), out_dir: Path | None = None,
-                     progress: bool = True) -> dict:
-    runner = ModelRunner(model, num_slots, max_seq_len, dtype)
+def compare_policies(
+    policies: list[str],
+    workload: str = "long-prompts",
+    num_requests: int = 24,
+    load: float = 0.8,
+    num_slots: int = 8,
+    max_seq_len: int = 640,
+    token_budget: int = 64,
+    model: str = "smollm2-135m",
+    dtype: str = "float32",
+    seed: int = 0,
+    slo: SLO = SLO(),
+    out_dir: Path | None = None,
+    progress: bool = True,
+) -> dict:
+    runner = ModelRunner(EngineConfig(model=model, num_slots=num_slots, max_seq_len=max_seq_len, dtype=dtype))
     capacity = measure_decode_capacity(runner, num_slots, max_seq_len)
     traffic = at_load(workload, num_requests, load, capacity, seed)
     rate = traffic.params.get("mean_rate_requests_per_s", 0.0)
     rows, results = [], {}
     for policy in policies:
-        config = EngineConfig(policy=policy, num_slots=num_slots, max_seq_len=max_seq_len, token_budget=token_budget,
-                              model=model, dtype=dtype)
+        config = EngineConfig(
+            policy=policy,
+            num_slots=num_slots,
+            max_seq_len=max_seq_len,
+            token_budget=token_budget,
+            model=model,
+            dtype=dtype,
+        )
         result = replay(Engine(config, runner), traffic, seed=seed, progress=progress, desc=policy)
         results[policy] = result
         s = summarize(result.traces, slo)
-        rows.append({
-            "policy": policy, "throughput": s.throughput, "goodput": s.goodput, "slo_attainment": s.slo_attainment,
-            "ttft_p50": s.ttft["p50"], "ttft_p99": s.ttft["p99"], "tpot_p50": s.tpot["p50"],
-            "itl_p99": s.itl["p99"], "itl_max": s.itl["max"],
-            "slot_efficiency": slot_efficiency((r.useful_rows for r in result.steps), (r.computed_rows for r in result.steps)),
-            "preemptions": s.num_preemptions, "max_submit_lateness": max(result.submit_lateness, default=0.0),
-        })
-    report = {"workload": traffic.describe(), "workload_params": traffic.params, "load": load,
-              "capacity_tokens_per_s": capacity, "rate_requests_per_s": rate, "num_slots": num_slots,
-              "token_budget": token_budget, "model": model, "dtype": dtype, "slo": asdict(slo), "rows": rows}
+        rows.append(
+            {
+                "policy": policy,
+                "throughput": s.throughput,
+                "goodput": s.goodput,
+                "slo_attainment": s.slo_attainment,
+                "ttft_p50": s.ttft["p50"],
+                "ttft_p99": s.ttft["p99"],
+                "tpot_p50": s.tpot["p50"],
+                "itl_p99": s.itl["p99"],
+                "itl_max": s.itl["max"],
+                "slot_efficiency": slot_efficiency(
+                    (r.useful_rows for r in result.steps), (r.computed_rows for r in result.steps)
+                ),
+                "preemptions": s.num_preemptions,
+                "max_submit_lateness": max(result.submit_lateness, default=0.0),
+            }
+        )
+    report = {
+        "workload": traffic.describe(),
+        "workload_params": traffic.params,
+        "load": load,
+        "capacity_tokens_per_s": capacity,
+        "rate_requests_per_s": rate,
+        "num_slots": num_slots,
+        "token_budget": token_budget,
+        "model": model,
+        "dtype": dtype,
+        "slo": asdict(slo),
+        "rows": rows,
+    }
     if out_dir is not None:
         write_outputs(Path(out_dir), report, results)
     return report
 
 
-def format_table(report: dict) -> str:
-    head = (f"{'policy':<11}{'tok/s':>8}{'goodput':>9}{'SLO %':>7}{'TTFT p50':>10}{'TTFT p99':>10}"
-            f"{'TPOT p50':>10}{'ITL p99':>9}{'ITL max':>9}{'slot eff':>9}{'preempt':>8}")
+def format_comparison(report: dict) -> str:
+    head = (
+        f"{'policy':<11}{'tok/s':>8}{'goodput':>9}{'SLO %':>7}{'TTFT p50':>10}{'TTFT p99':>10}"
+        f"{'TPOT p50':>10}{'ITL p99':>9}{'ITL max':>9}{'slot eff':>9}{'preempt':>8}"
+    )
     lines = [head, "-" * len(head)]
     for r in report["rows"]:
         ms = lambda v: f"{1000 * v:.0f}ms" if v is not None else "-"  # noqa: E731
-        lines.append(f"{r['policy']:<11}{r['throughput']:>8.1f}{r['goodput']:>9.1f}{100 * r['slo_attainment']:>6.0f}%"
-                     f"{ms(r['ttft_p50']):>10}{ms(r['ttft_p99']):>10}{ms(r['tpot_p50']):>10}{ms(r['itl_p99']):>9}"
-                     f"{ms(r['itl_max']):>9}{r['slot_efficiency']:>9.3f}{r['preemptions']:>8}")
+        lines.append(
+            f"{r['policy']:<11}{r['throughput']:>8.1f}{r['goodput']:>9.1f}{100 * r['slo_attainment']:>6.0f}%"
+            f"{ms(r['ttft_p50']):>10}{ms(r['ttft_p99']):>10}{ms(r['tpot_p50']):>10}{ms(r['itl_p99']):>9}"
+            f"{ms(r['itl_max']):>9}{r['slot_efficiency']:>9.3f}{r['preemptions']:>8}"
+        )
     slo = report["slo"]
-    lines.append(f"workload: {report['workload']}; load {report['load']}x of measured capacity "
-                 f"({report['capacity_tokens_per_s']:.1f} decode tokens/s at {report['num_slots']} slots) = "
-                 f"{report['rate_requests_per_s']:.2f} requests/s; chunked token budget {report['token_budget']}; "
-                 f"SLO: TTFT <= {slo['ttft']} s, TPOT <= {slo['tpot']} s")
+    lines.append(
+        f"workload: {report['workload']}; load {report['load']}x of measured capacity "
+        f"({report['capacity_tokens_per_s']:.1f} decode tokens/s at {report['num_slots']} slots) = "
+        f"{report['rate_requests_per_s']:.2f} requests/s; chunked token budget {report['token_budget']}; "
+        f"SLO: TTFT <= {slo['ttft']} s, TPOT <= {slo['tpot']} s"
+    )
     return "\n".join(lines)
 
 
 def write_outputs(out_dir: Path, report: dict, results: dict[str, ReplayResult]) -> None:
-    from cluster.plots import latency_cdfs, plt
+    from metrics.plots import latency_cdfs, plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps(report, indent=2))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from cluster.metrics import RequestTrace
+from metrics.definitions import RequestTrace
 from replica.engine import Engine, StepRecord
 from replica.request import Request
 from workloads.schedule import ArrivalSchedule
@@ -37,8 +37,13 @@ def replay(engine: Engine, workload: Workload, seed: int = 0, progress: bool = F
         for i, spec, planned in schedule.due(now, t0):
             prompt = request_prompt(seed, i, spec, engine.runner.vocab_size)
             params = {"max_tokens": spec.output_len, "ignore_eos": True}
-            rid = engine.add_request(prompt, params, request_id=f"{workload.name}-{i}", arrival_time=t0 + planned,
-                                     oracle_output_len=spec.output_len)
+            rid = engine.add_request(
+                prompt,
+                params,
+                request_id=f"{workload.name}-{i}",
+                arrival_time=t0 + planned,
+                oracle_output_len=spec.output_len,
+            )
             requests[rid], index_of[rid] = engine.requests[rid], i
             lateness.append(now - (t0 + planned))
         engine.scheduler.arrivals_done = schedule.waiting_on_ends
@@ -59,6 +64,13 @@ def replay(engine: Engine, workload: Workload, seed: int = 0, progress: bool = F
 def request_trace(request: Request, end: float, replica: str | None = None) -> RequestTrace:
     """A finished request as its client saw it: completion at its last token (`end` when it
     made none)."""
-    return RequestTrace(request.request_id, request.arrival_time, request.token_times,
-                        request.token_times[-1] if request.token_times else end, request.finish_reason.value,
-                        request.num_prompt_tokens, replica, request.num_preemptions)
+    return RequestTrace(
+        request.request_id,
+        request.arrival_time,
+        request.token_times,
+        request.token_times[-1] if request.token_times else end,
+        request.finish_reason.value,
+        request.num_prompt_tokens,
+        replica,
+        request.num_preemptions,
+    )

@@ -3,7 +3,7 @@
 Nothing here re-implements a policy. Each simulated replica is a real `replica.engine.Engine`
 (so the real scheduler of its batching policy) whose runner pays a cost model's step time on
 the replica's own `FakeClock`; routing is done by a real `router.router.Router`, fed the
-same load reports the replicas send in the cluster (`replica.serving.load_snapshot`, sent at
+same load reports the replicas send in the cluster (`replica.serving.load_report`, sent at
 step boundaries and throttled by `report_due`) and told of every completion. So a policy
 compared here is the same object that runs on the cluster.
 
@@ -14,7 +14,7 @@ reaches the router only when its end comes, so at an arrival the router sees wha
 replica reported at its last step boundary, as in the cluster. A request routed to a busy
 replica joins its queue and its next step, as the cluster's inbox does. At equal times, step
 ends come first, then arrivals, then new steps, so one replica replays exactly what
-`cluster.replay.replay` does on a FakeClock.
+`sim.replay.replay` does on a FakeClock.
 
 Left out on purpose: routing takes no time (a decision costs tens of microseconds against
 steps of tens of milliseconds), and messages (reports, completions, tokens) arrive at once.
@@ -25,22 +25,25 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from cluster.metrics import RequestTrace
-from cluster.replay import request_trace
-from replica.clock import FakeClock
-from replica.engine import Engine, EngineConfig, StepRecord, StepResult
-from replica.errors import InvariantViolation, SlotServeError
+from metrics.definitions import RequestTrace
+from metrics.recording import record_run
+from protocol.clock import FakeClock
+from protocol.errors import SlotServeError
+from replica.config import EngineConfig
+from replica.engine import Engine, StepRecord, StepResult
+from replica.errors import InvariantViolation
 from replica.fake_model import CostModel, FlatCostModel, SimulationRunner
 from replica.request import Request
-from replica.serving import load_snapshot, report_due, step_row
-from router.load import LoadReport, RouteRequest
+from replica.serving import load_report, report_due
+from router.load import RouteRequest
 from router.policies import DEFAULT_POLICY, ROUTING_POLICIES
 from router.router import Decision, Router
+from sim.replay import request_trace
 from workloads.schedule import ArrivalSchedule
 from workloads.workload import Workload, WorkloadRequest, request_prompt
 
@@ -57,9 +60,7 @@ class SimulationConfig(BaseModel):
     @field_validator("routing_policy")
     @classmethod
     def _known_routing(cls, policy: str) -> str:
-        if policy not in ROUTING_POLICIES:
-            raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(ROUTING_POLICIES)}")
-        return policy
+        return ROUTING_POLICIES.check(policy)
 
 
 @dataclass
@@ -101,8 +102,13 @@ class Simulator:
 
     _STEP_END, _WAKE = 0, 1  # at equal times, step ends before timers
 
-    def __init__(self, workload: Workload, config: SimulationConfig | None = None, cost: CostModel | None = None,
-                 check_invariants: bool = False):
+    def __init__(
+        self,
+        workload: Workload,
+        config: SimulationConfig | None = None,
+        cost: CostModel | None = None,
+        check_invariants: bool = False,
+    ):
         self.workload = workload
         self.config = config or SimulationConfig()
         self.cost = cost or FlatCostModel()
@@ -149,11 +155,16 @@ class Simulator:
             self._dirty.clear()
         self._check_all_ended()
         return SimulationResult(
-            self.config, self.workload, self.cost,
+            self.config,
+            self.workload,
+            self.cost,
             traces=[self._done[rid] for rid in self._arrivals],
-            steps=self._steps, decisions=self._decisions, arrivals=self._arrivals,
+            steps=self._steps,
+            decisions=self._decisions,
+            arrivals=self._arrivals,
             token_ids={rid: list(req.output_token_ids) for rid, (req, _) in self._requests.items()},
-            errors=self._errors)
+            errors=self._errors,
+        )
 
     def _next_time(self) -> float | None:
         times = [t for t in (self.schedule.next_time(), self._events[0][0] if self._events else None) if t is not None]
@@ -168,12 +179,18 @@ class Simulator:
             replica = self._by_id[decision.replica_id]
             prompt = request_prompt(self.config.seed, index, spec, self.config.vocab_size)
             try:
-                replica.engine.add_request(prompt, {"max_tokens": spec.output_len, "ignore_eos": True}, request_id=rid,
-                                           arrival_time=planned, oracle_output_len=spec.output_len)
+                replica.engine.add_request(
+                    prompt,
+                    {"max_tokens": spec.output_len, "ignore_eos": True},
+                    request_id=rid,
+                    arrival_time=planned,
+                    oracle_output_len=spec.output_len,
+                )
             except SlotServeError as err:  # refused at submission, as the cluster's driver records it
                 self._errors[rid] = str(err)
-                self._done[rid] = RequestTrace(rid, planned, [], now, "rejected" if isinstance(err, ValueError)
-                                               else "error", spec.prompt_len, None)
+                self._done[rid] = RequestTrace(
+                    rid, planned, [], now, "rejected" if isinstance(err, ValueError) else "error", spec.prompt_len, None
+                )
                 self.router.complete(rid)
                 self.schedule.finished(index, now)
                 continue
@@ -223,20 +240,23 @@ class Simulator:
         self._tell_arrivals_done()
 
     def _report(self, replica: _Replica, force: bool = False) -> None:
-        load = load_snapshot(replica.engine)
+        load = load_report(replica.engine, replica.replica_id)
         if force or report_due(load, load.time - replica.last_report):
             replica.last_report = load.time
-            self.router.report(LoadReport(replica.replica_id, **vars(load)))
+            self.router.report(load)
 
     def _check_all_ended(self) -> None:
         """Every request ends exactly once; anything else is a stuck policy or a lost request."""
         stuck = {r.replica_id: len(r.engine.requests) for r in self.replicas if r.engine.has_unfinished}
         if stuck:
-            raise InvariantViolation(f"simulation stopped with requests that can never run: {stuck} "
-                                     f"({self.config.engine.policy} batching)")
+            raise InvariantViolation(
+                f"simulation stopped with requests that can never run: {stuck} ({self.config.engine.policy} batching)"
+            )
         if not self.schedule.done:
-            raise InvariantViolation(f"the arrival schedule of {self.workload.name!r} is not done, yet nothing is "
-                                     "running that could release its next request")
+            raise InvariantViolation(
+                f"the arrival schedule of {self.workload.name!r} is not done, yet nothing is "
+                "running that could release its next request"
+            )
         missing = set(self._arrivals) - set(self._done)
         if missing:
             raise InvariantViolation(f"requests without a final event: {sorted(missing)[:5]}")
@@ -249,8 +269,12 @@ def _advance(clock: FakeClock, t: float) -> None:
         clock.sleep(t - clock.now())
 
 
-def simulate(workload: Workload, config: SimulationConfig | None = None, cost: CostModel | None = None,
-             check_invariants: bool = False) -> SimulationResult:
+def simulate(
+    workload: Workload,
+    config: SimulationConfig | None = None,
+    cost: CostModel | None = None,
+    check_invariants: bool = False,
+) -> SimulationResult:
     """Run `workload` through a simulated cluster (see the module docstring)."""
     return Simulator(workload, config, cost, check_invariants).run()
 
@@ -262,31 +286,49 @@ def cost_description(cost: CostModel) -> dict[str, Any]:
     return {"kind": type(cost).__name__, **asdict(cost)}
 
 
-def record_simulation(store, result: SimulationResult, name: str | None = None, slo: dict | None = None) -> int:
-    """Write a simulation into the metrics store with the rows the cluster writes (requests
-    through the driver's `request_row`, steps through `step_row`, decisions through the
-    router actor's `decision_row`), the run marked simulated; returns its run id."""
-    from cluster.client import Result  # these import Ray: only when recording
-    from cluster.driver import request_row
-    from router.actor import decision_row
-
+def record_simulation(
+    store,
+    result: SimulationResult,
+    name: str | None = None,
+    slo: dict | None = None,
+    extra_config: dict[str, Any] | None = None,
+) -> int:
+    """Write a simulation into the metrics store through `metrics.recording.record_run`, with
+    the rows the cluster writes, the run marked simulated and `extra_config` added to its
+    config; returns its run id."""
     config, workload = result.config, result.workload
-    run_config = {"simulated": True, "num_replicas": config.num_replicas, "engine": config.engine.model_dump(),
-                  "vocab_size": config.vocab_size, "cost_model": cost_description(result.cost),
-                  "workload": workload.describe(), "workload_params": workload.params}
-    run_id = store.begin_run(name or f"sim-{workload.name}-{config.engine.policy}-{config.routing_policy}", run_config,
-                             config.engine.policy, config.routing_policy, config.seed, slo, simulated=True)
-    rows = []
+    run_config = {
+        "simulated": True,
+        "num_replicas": config.num_replicas,
+        "engine": config.engine.model_dump(),
+        "vocab_size": config.vocab_size,
+        "cost_model": cost_description(result.cost),
+        "workload": workload.describe(),
+        "workload_params": workload.params,
+        **(extra_config or {}),
+    }
+    traces = []
     for trace in result.traces:
         arrival = result.arrivals[trace.request_id]
-        client = Result(trace.request_id, trace.replica, trace.arrival, result.token_ids.get(trace.request_id, []),
-                        trace.token_times, finish_reason=trace.finish_reason,
-                        error=result.errors.get(trace.request_id), completion=trace.finish_time)
-        rows.append({**request_row(arrival.spec, client, arrival.planned, arrival.planned),
-                     "num_preemptions": trace.num_preemptions})
-    store.add_requests(run_id, rows)
-    store.add_steps(run_id, [step_row(rid, record, config.engine.num_slots)
-                             for rid, records in result.steps.items() for record in records])
-    store.add_decisions(run_id, [decision_row(d) for d in result.decisions])
-    store.end_run(run_id, "complete")
-    return run_id
+        traces.append(
+            replace(
+                trace,
+                session_id=arrival.spec.session_id,
+                max_tokens=arrival.spec.output_len,
+                error=result.errors.get(trace.request_id),
+                planned_arrival=arrival.planned,
+            )
+        )
+    return record_run(
+        store,
+        name=name or f"sim-{workload.name}-{config.engine.policy}-{config.routing_policy}",
+        config=run_config,
+        batching_policy=config.engine.policy,
+        routing_policy=config.routing_policy,
+        seed=config.seed,
+        slo=slo,
+        simulated=True,
+        traces=traces,
+        steps=[(rid, config.engine.num_slots, record) for rid, records in result.steps.items() for record in records],
+        decisions=result.decisions,
+    )

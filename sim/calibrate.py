@@ -31,7 +31,6 @@ cluster's own serving steps, with whatever else shared the machine with it, cali
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
 import platform
@@ -44,18 +43,19 @@ from queue import Empty
 
 from tqdm import tqdm
 
-from replica.clock import Clock
-from replica.engine import Engine, EngineConfig, Runner
+from protocol.clock import Clock
+from replica.config import EngineConfig
+from replica.engine import Engine, Runner
 from replica.errors import ConfigError
-from replica.fake_model import FEATURES, FittedCostModel, StepFeatures
 from replica.model_loader import DEFAULT_MODEL
 from replica.scheduler import SchedulerOutput
+from sim.cost_model import FEATURES, FittedCostModel, StepFeatures
 
 DEFAULT_OUT = Path("results/cost_model.json")
 
 
 @dataclass(frozen=True)
-class Cell:
+class ProbeCell:
     """`batch` requests with `prompt_len`-token prompts and `max_tokens` outputs (spread over
     1..max_tokens when `spread`) through a fresh engine of `policy`."""
 
@@ -72,15 +72,17 @@ class Cell:
         return f"{self.policy} B={self.batch} L={self.prompt_len}{budget}"
 
 
-def grid(num_slots: int, quick: bool) -> list[Cell]:
+def grid(num_slots: int, quick: bool) -> list[ProbeCell]:
     """The cells, the warm-up first. --quick keeps fewer context lengths and shorter decodes."""
     batches = sorted({1, *(b for b in (2, 4, 8, 16, 32, 64) if b <= num_slots), num_slots})
     lengths, decode = ((16, 192), 6) if quick else ((16, 128, 384), 10)
-    cells = [Cell("mixed", 1, 8, 3)]
-    cells += [Cell("mixed", b, length, decode + 1) for length in lengths for b in batches]
-    cells += [Cell("chunked", num_slots, 64 if quick else 128, 3, token_budget=budget)
-              for budget in ((32,) if quick else (32, 96))]
-    cells.append(Cell("static", num_slots, 32, decode + 2, spread=True))
+    cells = [ProbeCell("mixed", 1, 8, 3)]
+    cells += [ProbeCell("mixed", b, length, decode + 1) for length in lengths for b in batches]
+    cells += [
+        ProbeCell("chunked", num_slots, 64 if quick else 128, 3, token_budget=budget)
+        for budget in ((32,) if quick else (32, 96))
+    ]
+    cells.append(ProbeCell("static", num_slots, 32, decode + 2, spread=True))
     return cells
 
 
@@ -100,11 +102,13 @@ class FeatureTap:
         return self.runner.execute(out)
 
 
-def run_cell(tap: FeatureTap, cell: Cell, max_seq_len: int, seed: int, clock: Clock | None = None
-             ) -> list[tuple[StepFeatures, float, str]]:
+def run_cell(
+    tap: FeatureTap, cell: ProbeCell, max_seq_len: int, seed: int, clock: Clock | None = None
+) -> list[tuple[StepFeatures, float, str]]:
     """(features, seconds, kind) of every step of one cell, run to completion."""
-    config = EngineConfig(policy=cell.policy, num_slots=cell.batch, max_seq_len=max_seq_len,
-                          token_budget=cell.token_budget)
+    config = EngineConfig(
+        policy=cell.policy, num_slots=cell.batch, max_seq_len=max_seq_len, token_budget=cell.token_budget
+    )
     engine = Engine(config, tap, clock)
     for i in range(cell.batch):
         prompt = [100 + (seed * 7919 + 31 * i + 7 * j) % 20000 for j in range(cell.prompt_len)]
@@ -129,7 +133,7 @@ def _kind(f: StepFeatures) -> str:
     return "prefill" if f.prefill_tokens else f"decode B={f.decode_tokens}"
 
 
-def machine(model: str, dtype: str, device: str, num_slots: int, replicas: int = 1) -> dict:
+def calibration_machine(model: str, dtype: str, device: str, num_slots: int, replicas: int = 1) -> dict:
     """What the coefficients belong to: the CPU, its cores, torch and its threads, the model,
     and how many replicas were measured side by side."""
     import torch
@@ -137,17 +141,39 @@ def machine(model: str, dtype: str, device: str, num_slots: int, replicas: int =
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
-        cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                    if line.startswith("model name")), cpu)
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "model": model, "dtype": dtype, "device": device, "num_slots": num_slots, "replicas": replicas,
-            "hostname": platform.node(),
-            "calibrated": time.strftime("%Y-%m-%d %H:%M:%S")}
+        cpu = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in cpuinfo.read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            cpu,
+        )
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "model": model,
+        "dtype": dtype,
+        "device": device,
+        "num_slots": num_slots,
+        "replicas": replicas,
+        "hostname": platform.node(),
+        "calibrated": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
-def calibrate(model: str = DEFAULT_MODEL, num_slots: int = 8, dtype: str = "float32", device: str = "auto",
-              quick: bool = False, seed: int = 0, progress: bool = True, replicas: int = 1
-              ) -> tuple[FittedCostModel, list[tuple[StepFeatures, float, str]]]:
+def calibrate(
+    model: str = DEFAULT_MODEL,
+    num_slots: int = 8,
+    dtype: str = "float32",
+    device: str = "auto",
+    quick: bool = False,
+    seed: int = 0,
+    progress: bool = True,
+    replicas: int = 1,
+) -> tuple[FittedCostModel, list[tuple[StepFeatures, float, str]]]:
     """Measure the grid (in `replicas` processes at once when more than one, each on as many
     torch threads as this process has) and fit; returns the model and the samples it was
     fitted on."""
@@ -158,15 +184,37 @@ def calibrate(model: str = DEFAULT_MODEL, num_slots: int = 8, dtype: str = "floa
     cells = grid(num_slots, quick)
     max_seq_len = max(c.prompt_len + c.max_tokens for c in cells)
     if replicas == 1:
-        runner = ModelRunner(model, num_slots, max_seq_len, dtype, device, seed)
+        runner = ModelRunner(
+            EngineConfig(
+                model=model, num_slots=num_slots, max_seq_len=max_seq_len, dtype=dtype, device=device, seed=seed
+            )
+        )
         samples, device = measure(runner, cells, max_seq_len, seed, progress), runner.device
     else:
         ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
         barrier, finished, queue = ctx.Barrier(replicas), ctx.Value("i", 0), ctx.Queue()
-        workers = [ctx.Process(target=_colocated_replica, daemon=True,
-                               args=(i, barrier, finished, queue, model, num_slots, max_seq_len, dtype, device,
-                                     seed + i, torch.get_num_threads(), cells, progress and i == 0))
-                   for i in range(replicas)]
+        workers = [
+            ctx.Process(
+                target=_colocated_replica,
+                daemon=True,
+                args=(
+                    i,
+                    barrier,
+                    finished,
+                    queue,
+                    model,
+                    num_slots,
+                    max_seq_len,
+                    dtype,
+                    device,
+                    seed + i,
+                    torch.get_num_threads(),
+                    cells,
+                    progress and i == 0,
+                ),
+            )
+            for i in range(replicas)
+        ]
         for w in workers:
             w.start()
         results = []
@@ -178,13 +226,15 @@ def calibrate(model: str = DEFAULT_MODEL, num_slots: int = 8, dtype: str = "floa
                 if dead:  # the others would wait for it forever
                     for w in workers:
                         w.terminate()
-                    raise RuntimeError(f"calibration process {dead[0][0]} of {replicas} died (exit code "
-                                       f"{dead[0][1]}); its error is printed above") from None
+                    raise RuntimeError(
+                        f"calibration process {dead[0][0]} of {replicas} died (exit code "
+                        f"{dead[0][1]}); its error is printed above"
+                    ) from None
         for w in workers:
             w.join()
         samples = [s for _, _, measured in sorted(results, key=lambda r: r[0]) for s in measured]
         device = results[0][1]
-    return fit(samples, machine(model, dtype, device, num_slots, replicas)), samples
+    return fit(samples, calibration_machine(model, dtype, device, num_slots, replicas)), samples
 
 
 def fit(samples: list[tuple[StepFeatures, float, str]], ran_on: dict) -> FittedCostModel:
@@ -192,15 +242,29 @@ def fit(samples: list[tuple[StepFeatures, float, str]], ran_on: dict) -> FittedC
     return FittedCostModel.fit([(f, t) for f, t, _ in samples], machine=ran_on)
 
 
-def calibrate_from_store(store_path: Path, run_ids: list[int]
-                         ) -> tuple[FittedCostModel, list[tuple[StepFeatures, float, str]]]:
+def calibrate_from_store(
+    store_path: Path, run_ids: list[int]
+) -> tuple[FittedCostModel, list[tuple[StepFeatures, float, str]]]:
     """The cost model fitted to the recorded steps of real runs, and those samples."""
     samples, ran_on = samples_from_store(store_path, run_ids)
     return fit(samples, ran_on), samples
 
 
-def _colocated_replica(index: int, barrier, finished, queue, model: str, num_slots: int, max_seq_len: int,
-                       dtype: str, device: str, seed: int, threads: int, cells: list[Cell], progress: bool) -> None:
+def _colocated_replica(
+    index: int,
+    barrier,
+    finished,
+    queue,
+    model: str,
+    num_slots: int,
+    max_seq_len: int,
+    dtype: str,
+    device: str,
+    seed: int,
+    threads: int,
+    cells: list[ProbeCell],
+    progress: bool,
+) -> None:
     """One of `calibrate(replicas=N)`'s processes: load, wait for the others, measure the grid,
     then keep the machine as busy as a serving neighbour until every process has measured."""
     import torch
@@ -208,7 +272,9 @@ def _colocated_replica(index: int, barrier, finished, queue, model: str, num_slo
     from replica.model_runner import ModelRunner
 
     torch.set_num_threads(threads)
-    runner = ModelRunner(model, num_slots, max_seq_len, dtype, device, seed)
+    runner = ModelRunner(
+        EngineConfig(model=model, num_slots=num_slots, max_seq_len=max_seq_len, dtype=dtype, device=device, seed=seed)
+    )
     barrier.wait()
     samples = measure(runner, cells, max_seq_len, seed, progress)
     queue.put((index, runner.device, samples))
@@ -219,8 +285,14 @@ def _colocated_replica(index: int, barrier, finished, queue, model: str, num_slo
         run_cell(tap, cells[-1], max_seq_len, seed)
 
 
-def measure(runner: Runner, cells: list[Cell], max_seq_len: int, seed: int = 0, progress: bool = False,
-            clock: Clock | None = None) -> list[tuple[StepFeatures, float, str]]:
+def measure(
+    runner: Runner,
+    cells: list[ProbeCell],
+    max_seq_len: int,
+    seed: int = 0,
+    progress: bool = False,
+    clock: Clock | None = None,
+) -> list[tuple[StepFeatures, float, str]]:
     """Every step of every cell but the first (the warm-up), timed on `clock` (default: the
     wall clock; tests pass a fake runner's FakeClock)."""
     tap = FeatureTap(runner)
@@ -237,7 +309,7 @@ def measure(runner: Runner, cells: list[Cell], max_seq_len: int, seed: int = 0, 
 def samples_from_store(store_path: Path, run_ids: list[int]) -> tuple[list[tuple[StepFeatures, float, str]], dict]:
     """The steps of real recorded runs as samples, and the machine they ran on (the first
     run's, with what ran: model, dtype, threads, replicas, and which runs)."""
-    from cluster.store import MetricsStore
+    from metrics.store import MetricsStore
 
     if not run_ids:
         raise ConfigError("--from-store needs --runs: the ids of the real runs to fit to")
@@ -248,97 +320,66 @@ def samples_from_store(store_path: Path, run_ids: list[int]) -> tuple[list[tuple
         samples, runs = [], [store.run(run_id) for run_id in run_ids]
         for run in runs:
             if run["simulated"]:
-                raise ConfigError(f"run {run['run_id']} of {store_path} is simulated: a cost model is fitted to "
-                                  "real step times")
+                raise ConfigError(
+                    f"run {run['run_id']} of {store_path} is simulated: a cost model is fitted to real step times"
+                )
             rows = store.steps(run["run_id"])
             if not rows or any(r["context_tokens"] is None or r["duration"] is None for r in rows):
-                raise ConfigError(f"run {run['run_id']} of {store_path} has no steps with context tokens recorded "
-                                  "(runs stored before slotserve recorded them cannot calibrate)")
+                raise ConfigError(
+                    f"run {run['run_id']} of {store_path} has no steps with context tokens recorded "
+                    "(runs stored before slotserve recorded them cannot calibrate)"
+                )
             samples += [(f, r["duration"], _kind(f)) for r in rows for f in [StepFeatures.of_row(r)]]
     finally:
         store.close()
     config = runs[0]["config"]
     engine = config.get("engine") or config.get("replica", {}).get("engine", {})
-    machine = {**(runs[0]["machine"] or {}), "model": engine.get("model"), "dtype": engine.get("dtype"),
-               "device": engine.get("device"), "num_slots": engine.get("num_slots"),
-               "threads": config.get("torch_threads", config.get("num_cpus_per_replica")),
-               "replicas": config.get("num_replicas", 1), "calibrated": time.strftime("%Y-%m-%d %H:%M:%S"),
-               "fitted_to": f"{store_path} runs {', '.join(map(str, run_ids))}"}
+    machine = {
+        **(runs[0]["machine"] or {}),
+        "model": engine.get("model"),
+        "dtype": engine.get("dtype"),
+        "device": engine.get("device"),
+        "num_slots": engine.get("num_slots"),
+        "threads": config.get("torch_threads", config.get("num_cpus_per_replica")),
+        "replicas": config.get("num_replicas", 1),
+        "calibrated": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "fitted_to": f"{store_path} runs {', '.join(map(str, run_ids))}",
+    }
     return samples, machine
 
 
 def format_fit(model: FittedCostModel, samples: list[tuple[StepFeatures, float, str]]) -> str:
     """The coefficients, the fit quality, and measured against predicted per kind of step."""
     q, m = model.quality, model.machine
-    units = {"c0": ("per step", 1e3, "ms"), "c_decode": ("per decode token", 1e3, "ms"),
-             "c_prefill": ("per prefill token", 1e3, "ms"), "c_ctx": ("per attended context token", 1e6, "us"),
-             "c_held": ("per padding row", 1e3, "ms")}
-    lines = [f"cost model for {m.get('model')} ({m.get('dtype')}, {m.get('device')}) on {m.get('cpu')}, "
-             f"{m.get('threads')} torch threads, {m.get('replicas', 1)} replica(s) side by side",
-             f"step_time = c0 + c_decode*decode + c_prefill*prefill + c_ctx*context + c_held*padding  "
-             f"(features: {', '.join(FEATURES)})"]
-    lines += [f"  {name:<10}{getattr(model, name) * scale:>10.4f} {unit:<3} {what}"
-              for name, (what, scale, unit) in units.items()]
-    lines.append(f"fit on {q.num_fit} steps; held out {q.num_heldout}: R^2 {q.r2:.3f}, median relative error "
-                 f"{100 * q.median_rel_error:.1f}%")
+    units = {
+        "c0": ("per step", 1e3, "ms"),
+        "c_decode": ("per decode token", 1e3, "ms"),
+        "c_prefill": ("per prefill token", 1e3, "ms"),
+        "c_ctx": ("per attended context token", 1e6, "us"),
+        "c_held": ("per padding row", 1e3, "ms"),
+    }
+    lines = [
+        f"cost model for {m.get('model')} ({m.get('dtype')}, {m.get('device')}) on {m.get('cpu')}, "
+        f"{m.get('threads')} torch threads, {m.get('replicas', 1)} replica(s) side by side",
+        f"step_time = c0 + c_decode*decode + c_prefill*prefill + c_ctx*context + c_held*padding  "
+        f"(features: {', '.join(FEATURES)})",
+    ]
+    lines += [
+        f"  {name:<10}{getattr(model, name) * scale:>10.4f} {unit:<3} {what}"
+        for name, (what, scale, unit) in units.items()
+    ]
+    lines.append(
+        f"fit on {q.num_fit} steps; held out {q.num_heldout}: R^2 {q.r2:.3f}, median relative error "
+        f"{100 * q.median_rel_error:.1f}%"
+    )
     groups: dict[str, list[tuple[StepFeatures, float]]] = defaultdict(list)
     for f, t, kind in samples:
         groups[kind].append((f, t))
     lines.append(f"  {'step kind':<14}{'steps':>6}{'measured ms':>13}{'predicted ms':>14}")
     for kind in sorted(groups, key=lambda k: (k.split(" ")[0], int(k.split("=")[1]) if "=" in k else 0)):
         rows = groups[kind]
-        lines.append(f"  {kind:<14}{len(rows):>6}{1e3 * statistics.median(t for _, t in rows):>13.1f}"
-                     f"{1e3 * statistics.median(model.predict(f) for f, _ in rows):>14.1f}")
+        lines.append(
+            f"  {kind:<14}{len(rows):>6}{1e3 * statistics.median(t for _, t in rows):>13.1f}"
+            f"{1e3 * statistics.median(model.predict(f) for f, _ in rows):>14.1f}"
+        )
     return "\n".join(lines)
-
-
-def cmd_calibrate(args: argparse.Namespace) -> int:
-    import torch
-
-    for name in ("slots", "threads", "replicas"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
-    start = time.monotonic()
-    if args.from_store:
-        model, samples = calibrate_from_store(args.from_store, args.runs)
-    else:
-        if args.runs:
-            raise ConfigError("--runs names recorded runs to fit to: pass --from-store with it")
-        torch.set_num_threads(args.threads)
-        model, samples = calibrate(args.model, args.slots, args.dtype, args.device, args.quick, args.seed,
-                                   replicas=args.replicas)
-    model.save(args.out)
-    print(format_fit(model, samples))
-    print(f"{'read' if args.from_store else 'measured'} {len(samples)} steps in {time.monotonic() - start:.0f} s; "
-          f"saved {args.out}")
-    return 0
-
-
-def add_calibrate_command(subparsers: argparse._SubParsersAction) -> None:
-    """Register `slotserve calibrate` on the CLI's subparsers."""
-    p = subparsers.add_parser(
-        "calibrate", help="fit the simulator's cost model to this machine's real step times",
-        description="Run the real engine on a grid of decode batch sizes, prefill chunk sizes and context lengths, "
-                    "fit step time = c0 + c_decode*decode + c_prefill*prefill + c_ctx*context + c_held*padding "
-                    "(non-negative least squares), print the fit and save it as JSON with this machine's "
-                    "description. About 1.5 minutes on SmolLM2-135M on 2 CPU cores; --quick under one. "
-                    "With --from-store and --runs, fit to the steps real runs recorded instead (a cluster's "
-                    "serving steps, in its own conditions).")
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="built-in model (smollm2-135m, gpt2-small-random) or a local Hugging Face directory")
-    p.add_argument("--slots", type=int, default=8, help="largest decode batch measured (default: %(default)s)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--device", default="auto", help='"auto" takes cuda when present')
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads: a cluster replica runs as many as its Ray num_cpus, 1 by default "
-                        "(default: %(default)s)")
-    p.add_argument("--replicas", type=int, default=1,
-                   help="measure this many replicas side by side, one process each (the step times of an N-replica "
-                        "cluster sharing this machine; default: %(default)s)")
-    p.add_argument("--from-store", type=Path, default=None, metavar="DB",
-                   help="fit to the recorded steps of real runs in this metrics store (with --runs); measures nothing")
-    p.add_argument("--runs", type=int, nargs="+", default=[], metavar="ID", help="the run ids for --from-store")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON file to write (default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="a smaller grid (under a minute; a rougher fit)")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_calibrate)

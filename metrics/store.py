@@ -1,3 +1,4 @@
+# Over 400 lines: the SQLite schema, its migration and every query sit together so the schema has one home.
 """The metrics store: one SQLite file holding every run's requests, token times, engine
 steps and routing decisions, so runs can be compared by run id long after they ended.
 
@@ -46,8 +47,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from cluster.metrics import RequestTrace
-from replica.errors import SlotServeError
+from metrics.definitions import RequestTrace
+from protocol.errors import SlotServeError
 
 DEFAULT_STORE = Path("results/slotserve.db")
 SCHEMA_VERSION = 2
@@ -129,11 +130,37 @@ CREATE INDEX IF NOT EXISTS decisions_by_run ON decisions (run_id, time);
 # Columns a batch row may carry (run_id comes from the call), the ones it must carry, and
 # the ones stored as JSON text.
 _COLUMNS = {
-    "requests": ("request_id", "replica_id", "session_id", "planned_arrival", "arrival", "submit_lateness",
-                 "first_token", "completion", "prompt_len", "output_len", "max_tokens", "finish_reason", "error",
-                 "num_preemptions"),
-    "steps": ("replica_id", "step", "time", "duration", "live_slots", "num_slots", "queue_depth", "decode_tokens",
-              "prefill_tokens", "context_tokens", "useful_rows", "computed_rows", "preemptions"),
+    "requests": (
+        "request_id",
+        "replica_id",
+        "session_id",
+        "planned_arrival",
+        "arrival",
+        "submit_lateness",
+        "first_token",
+        "completion",
+        "prompt_len",
+        "output_len",
+        "max_tokens",
+        "finish_reason",
+        "error",
+        "num_preemptions",
+    ),
+    "steps": (
+        "replica_id",
+        "step",
+        "time",
+        "duration",
+        "live_slots",
+        "num_slots",
+        "queue_depth",
+        "decode_tokens",
+        "prefill_tokens",
+        "context_tokens",
+        "useful_rows",
+        "computed_rows",
+        "preemptions",
+    ),
     "decisions": ("request_id", "time", "policy", "replica_id", "scores", "signal_age", "in_flight"),
 }
 _REQUIRED = {
@@ -175,8 +202,9 @@ class MetricsStore:
             elif version in _MIGRATIONS:
                 self._migrate(version)
             elif version != SCHEMA_VERSION:
-                raise StoreError(f"{self.path} has store schema version {version}; this slotserve reads "
-                                 f"version {SCHEMA_VERSION}")
+                raise StoreError(
+                    f"{self.path} has store schema version {version}; this slotserve reads version {SCHEMA_VERSION}"
+                )
         except sqlite3.DatabaseError as err:
             raise StoreError(f"cannot open {self.path} as a slotserve metrics store: {err}") from err
 
@@ -195,15 +223,35 @@ class MetricsStore:
 
     # --- writes -------------------------------------------------------------------------
 
-    def begin_run(self, name: str, config: dict, batching_policy: str, routing_policy: str, seed: int,
-                  slo: dict | None = None, simulated: bool = False) -> int:
+    def begin_run(
+        self,
+        name: str,
+        config: dict,
+        batching_policy: str,
+        routing_policy: str,
+        seed: int,
+        slo: dict | None = None,
+        simulated: bool = False,
+    ) -> int:
         """Record a new run as 'running' with the code version and machine; returns its id."""
-        row = {"name": name, "started": time.time(), "status": "running", "config": config,
-               "batching_policy": batching_policy, "routing_policy": routing_policy, "seed": seed,
-               "git_commit": _git_commit(), "machine": _machine(), "simulated": int(simulated), "slo": slo}
+        row = {
+            "name": name,
+            "started": time.time(),
+            "status": "running",
+            "config": config,
+            "batching_policy": batching_policy,
+            "routing_policy": routing_policy,
+            "seed": seed,
+            "git_commit": _git_commit(),
+            "machine": _machine(),
+            "simulated": int(simulated),
+            "slo": slo,
+        }
         with self.conn:
-            cur = self.conn.execute(f"INSERT INTO runs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
-                                    [_encode(k, v) for k, v in row.items()])
+            cur = self.conn.execute(
+                f"INSERT INTO runs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+                [_encode(k, v) for k, v in row.items()],
+            )
         return cur.lastrowid
 
     def end_run(self, run_id: int, status: str = "complete") -> None:
@@ -211,8 +259,9 @@ class MetricsStore:
         if status not in END_STATUSES:
             raise StoreError(f"end_run status must be one of {', '.join(END_STATUSES)}; got {status!r}")
         with self.conn:
-            cur = self.conn.execute("UPDATE runs SET ended = ?, status = ? WHERE run_id = ?",
-                                    (time.time(), status, run_id))
+            cur = self.conn.execute(
+                "UPDATE runs SET ended = ?, status = ? WHERE run_id = ?", (time.time(), status, run_id)
+            )
         if cur.rowcount == 0:
             raise self._unknown_run(run_id)
 
@@ -263,29 +312,43 @@ class MetricsStore:
         self.run(run_id)
         times: dict[str, list[float]] = {}
         for request_id, t in self.conn.execute(
-                "SELECT request_id, time FROM tokens WHERE run_id = ? ORDER BY request_id, idx", (run_id,)):
+            "SELECT request_id, time FROM tokens WHERE run_id = ? ORDER BY request_id, idx", (run_id,)
+        ):
             times.setdefault(request_id, []).append(t)
         return [
-            RequestTrace(r["request_id"], r["arrival"], times.get(r["request_id"], []), r["completion"],
-                         r["finish_reason"], r["prompt_len"] or 0, r["replica_id"], r["num_preemptions"] or 0)
+            RequestTrace(
+                r["request_id"],
+                r["arrival"],
+                times.get(r["request_id"], []),
+                r["completion"],
+                r["finish_reason"],
+                r["prompt_len"] or 0,
+                r["replica_id"],
+                r["num_preemptions"] or 0,
+            )
             for r in self.conn.execute("SELECT * FROM requests WHERE run_id = ? ORDER BY request_id", (run_id,))
         ]
 
     def requests(self, run_id: int) -> list[dict]:
         """The run's request rows as stored (with planned arrival and submit lateness)."""
         self.run(run_id)
-        return [dict(r) for r in self.conn.execute(
-            "SELECT * FROM requests WHERE run_id = ? ORDER BY request_id", (run_id,))]
+        return [
+            dict(r) for r in self.conn.execute("SELECT * FROM requests WHERE run_id = ? ORDER BY request_id", (run_id,))
+        ]
 
     def steps(self, run_id: int) -> list[dict]:
         self.run(run_id)
-        return [dict(r) for r in self.conn.execute(
-            "SELECT * FROM steps WHERE run_id = ? ORDER BY replica_id, step", (run_id,))]
+        return [
+            dict(r)
+            for r in self.conn.execute("SELECT * FROM steps WHERE run_id = ? ORDER BY replica_id, step", (run_id,))
+        ]
 
     def decisions(self, run_id: int) -> list[dict]:
         self.run(run_id)
-        return [{k: _decode(k, r[k]) for k in r.keys()} for r in self.conn.execute(
-            "SELECT * FROM decisions WHERE run_id = ? ORDER BY time, rowid", (run_id,))]
+        return [
+            {k: _decode(k, r[k]) for k in r.keys()}
+            for r in self.conn.execute("SELECT * FROM decisions WHERE run_id = ? ORDER BY time, rowid", (run_id,))
+        ]
 
     def _unknown_run(self, run_id: int) -> UnknownRunError:
         known = [r[0] for r in self.conn.execute("SELECT run_id FROM runs ORDER BY run_id")]
@@ -355,16 +418,25 @@ def _git_commit() -> str:
 
 def _machine() -> dict:
     """What results depend on: host, OS, Python, CPUs this process may use, memory, GPUs."""
-    machine = {"hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
-               "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine()}
+    machine = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+    }
     if hasattr(os, "sched_getaffinity"):
         machine["cpus_usable"] = len(os.sched_getaffinity(0))
     if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
         machine["memory_gib"] = round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)
     if shutil.which("nvidia-smi"):
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=10).stdout
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout
             machine["gpus"] = [line.strip() for line in out.splitlines() if line.strip()]
         except (OSError, subprocess.TimeoutExpired):
             pass

@@ -1,3 +1,4 @@
+# Over 400 lines: each peer's run is a short function, and all run in spawned processes from one plan.
 """`slotserve bench`: slotserve's engine against what a user would run instead, on the
 `saturated` workload, in one run on this machine.
 
@@ -30,7 +31,6 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from replica.model_loader import DEFAULT_MODEL
 from workloads.standard import saturated
 from workloads.workload import request_prompt
 
@@ -46,7 +46,7 @@ DECODE_STEPS = 12
 
 
 @dataclass
-class Row:
+class BenchRow:
     system: str  # slotserve | hf-static | hf-continuous | slotserve-decode | hf-decode
     policy: str
     slots: int  # slots, batch size, or max requests in flight
@@ -97,11 +97,18 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _engine_run(job: Job) -> Row:
-    from replica.engine import Engine, EngineConfig
+def _engine_run(job: Job) -> BenchRow:
+    from replica.config import EngineConfig
+    from replica.engine import Engine
 
-    config = EngineConfig(model=job.model, dtype=job.dtype, device=job.device, policy=job.policy,
-                          num_slots=job.slots, max_seq_len=MAX_SEQ_LEN)
+    config = EngineConfig(
+        model=job.model,
+        dtype=job.dtype,
+        device=job.device,
+        policy=job.policy,
+        num_slots=job.slots,
+        max_seq_len=MAX_SEQ_LEN,
+    )
     engine = Engine(config)
     prompts, lens = _workload(job.num_requests, engine.runner.vocab_size)
     params = [{"max_tokens": n, "ignore_eos": True} for n in lens]
@@ -111,12 +118,21 @@ def _engine_run(job: Job) -> Row:
     _sync(engine.runner.device)
     seconds = time.perf_counter() - t
     useful = sum(len(c.token_ids) for c in done)
-    return Row("slotserve", job.policy, job.slots, useful / seconds, _peak_mem_mb(engine.runner.device), seconds,
-               useful, job.dtype, job.tag, [c.token_ids for c in done] if job.tag == "bf16" else [])
+    return BenchRow(
+        "slotserve",
+        job.policy,
+        job.slots,
+        useful / seconds,
+        _peak_mem_mb(engine.runner.device),
+        seconds,
+        useful,
+        job.dtype,
+        job.tag,
+        [c.token_ids for c in done] if job.tag == "bf16" else [],
+    )
 
 
 def _hf_model(job: Job):
-    import torch
 
     from replica.model_loader import load_hf_model
     from replica.model_runner import DTYPES, pick_device
@@ -126,7 +142,7 @@ def _hf_model(job: Job):
     return hf.to(device, DTYPES[job.dtype]).eval(), device
 
 
-def _hf_static(job: Job) -> Row:
+def _hf_static(job: Job) -> BenchRow:
     import torch
     from transformers import GenerationConfig
 
@@ -138,17 +154,26 @@ def _hf_static(job: Job) -> Row:
         width = max(map(len, batch))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
-        config = GenerationConfig(max_new_tokens=max(outs), min_new_tokens=max(outs), do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)
+        config = GenerationConfig(
+            max_new_tokens=max(outs), min_new_tokens=max(outs), do_sample=False, eos_token_id=None, pad_token_id=0
+        )
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     _sync(device)
     seconds = time.perf_counter() - t
-    return Row("hf-static", f"generate() batches of {STATIC_BATCH}", STATIC_BATCH, sum(lens) / seconds,
-               _peak_mem_mb(device), seconds, sum(lens), job.dtype)
+    return BenchRow(
+        "hf-static",
+        f"generate() batches of {STATIC_BATCH}",
+        STATIC_BATCH,
+        sum(lens) / seconds,
+        _peak_mem_mb(device),
+        seconds,
+        sum(lens),
+        job.dtype,
+    )
 
 
-def _hf_continuous(job: Job) -> Row:
+def _hf_continuous(job: Job) -> BenchRow:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -158,8 +183,9 @@ def _hf_continuous(job: Job) -> Row:
     settings = dict(job.cb_settings)
     settings["num_blocks"] = job.slots * MAX_SEQ_LEN // settings["page_size"]
     t = time.perf_counter()
-    manager = model.init_continuous_batching(generation_config=config,
-                                             continuous_batching_config=ContinuousBatchingConfig(**settings))
+    manager = model.init_continuous_batching(
+        generation_config=config, continuous_batching_config=ContinuousBatchingConfig(**settings)
+    )
     manager.start()
     ids = {manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, lens)}
     useful = 0
@@ -171,11 +197,12 @@ def _hf_continuous(job: Job) -> Row:
     manager.stop(block=True)
     seconds = time.perf_counter() - t
     described = " ".join(f"{k}={v}" for k, v in settings.items())
-    return Row("hf-continuous", described, job.num_requests, useful / seconds,
-               _peak_mem_mb(device), seconds, useful, job.dtype)
+    return BenchRow(
+        "hf-continuous", described, job.num_requests, useful / seconds, _peak_mem_mb(device), seconds, useful, job.dtype
+    )
 
 
-def _decode_step(job: Job) -> Row:
+def _decode_step(job: Job) -> BenchRow:
     """Median time of a pure decode step at batch `slots` (64-token prompts, context 64-76)."""
     import torch
 
@@ -184,8 +211,9 @@ def _decode_step(job: Job) -> Row:
         from transformers import DynamicCache
 
         model, device = _hf_model(job)
-        ids = torch.tensor([[100 + (7 * i + j) % 5000 for j in range(DECODE_PROMPT_LEN)] for i in range(job.slots)],
-                           device=device)
+        ids = torch.tensor(
+            [[100 + (7 * i + j) % 5000 for j in range(DECODE_PROMPT_LEN)] for i in range(job.slots)], device=device
+        )
         with torch.inference_mode():
             cache = DynamicCache()
             nxt = model(ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
@@ -195,28 +223,48 @@ def _decode_step(job: Job) -> Row:
                 _sync(device)
                 times.append(time.perf_counter() - t)
     else:
-        from replica.engine import Engine, EngineConfig
+        from replica.config import EngineConfig
+        from replica.engine import Engine
 
-        engine = Engine(EngineConfig(model=job.model, dtype=job.dtype, device=job.device, policy="mixed",
-                                     num_slots=job.slots, max_seq_len=DECODE_PROMPT_LEN + DECODE_STEPS + 2))
+        engine = Engine(
+            EngineConfig(
+                model=job.model,
+                dtype=job.dtype,
+                device=job.device,
+                policy="mixed",
+                num_slots=job.slots,
+                max_seq_len=DECODE_PROMPT_LEN + DECODE_STEPS + 2,
+            )
+        )
         device = engine.runner.device
         for i in range(job.slots):
-            engine.add_request([100 + (7 * i + j) % 5000 for j in range(DECODE_PROMPT_LEN)],
-                               {"max_tokens": DECODE_STEPS + 1, "ignore_eos": True})
+            engine.add_request(
+                [100 + (7 * i + j) % 5000 for j in range(DECODE_PROMPT_LEN)],
+                {"max_tokens": DECODE_STEPS + 1, "ignore_eos": True},
+            )
         engine.step()  # the prefill
         for _ in range(DECODE_STEPS):
             times.append(engine.step().record.duration)  # the step ends with its sampled tokens on the host
     step = statistics.median(times[2:])
-    return Row("hf-decode" if job.hf else "slotserve-decode", "decode step", job.slots, job.slots / step,
-               _peak_mem_mb(device), step, job.slots, job.dtype)
+    return BenchRow(
+        "hf-decode" if job.hf else "slotserve-decode",
+        "decode step",
+        job.slots,
+        job.slots / step,
+        _peak_mem_mb(device),
+        step,
+        job.slots,
+        job.dtype,
+    )
 
 
-def run_job(job: Job) -> Row:
+def run_job(job: Job) -> BenchRow:
     import torch
 
     torch.manual_seed(0)
-    return {"engine": _engine_run, "hf-static": _hf_static, "hf-continuous": _hf_continuous,
-            "decode": _decode_step}[job.kind](job)
+    return {"engine": _engine_run, "hf-static": _hf_static, "hf-continuous": _hf_continuous, "decode": _decode_step}[
+        job.kind
+    ](job)
 
 
 def hardware_roofline(path: Path) -> float | None:
@@ -232,12 +280,19 @@ def plan(args: argparse.Namespace) -> list[Job]:
     jobs = [Job("engine", policy=p, slots=s, **common) for p in args.policies for s in args.slots]
     if args.peers:
         jobs += [Job("hf-static", **common)]
-        jobs += [Job("hf-continuous", slots=max(args.slots), cb_settings=tuple(c.items()), **common) for c in HF_CB_GRID]
+        jobs += [
+            Job("hf-continuous", slots=max(args.slots), cb_settings=tuple(c.items()), **common) for c in HF_CB_GRID
+        ]
     for s in args.decode_batches:
         jobs += [Job("decode", slots=s, **common), Job("decode", slots=s, hf=True, **common)]
     if args.bf16:
-        pair = {**common, "num_requests": args.bf16_requests, "policy": "continuous", "slots": max(args.slots),
-                "tag": "bf16"}
+        pair = {
+            **common,
+            "num_requests": args.bf16_requests,
+            "policy": "continuous",
+            "slots": max(args.slots),
+            "tag": "bf16",
+        }
         jobs += [Job("engine", **{**pair, "dtype": "float32"}), Job("engine", **{**pair, "dtype": "bfloat16"})]
     return jobs
 
@@ -246,16 +301,27 @@ def run(args: argparse.Namespace) -> dict:
     """Every row in turn; a row that fails is kept with its error (a peer's API may differ
     between transformers versions) and the JSON is rewritten after each row, so a run cut
     short still leaves what it measured."""
-    rows: list[Row] = []
+    rows: list[BenchRow] = []
     # One fresh process per row (spawned, so no torch state is inherited): peak memory is the row's own.
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                             max_tasks_per_child=1) as pool:
+    with ProcessPoolExecutor(
+        max_workers=1, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1
+    ) as pool:
         for job in tqdm(plan(args), desc="bench", unit="row"):
             try:
                 rows.append(pool.submit(run_job, job).result())
             except Exception as err:  # noqa: BLE001 - reported in the row, the other rows still run
-                rows.append(Row(job.kind, job.policy, job.slots, 0.0, 0.0, dtype=job.dtype, tag=job.tag,
-                                error=f"{type(err).__name__}: {err}"[:300]))
+                rows.append(
+                    BenchRow(
+                        job.kind,
+                        job.policy,
+                        job.slots,
+                        0.0,
+                        0.0,
+                        dtype=job.dtype,
+                        tag=job.tag,
+                        error=f"{type(err).__name__}: {err}"[:300],
+                    )
+                )
             if args.json:
                 write_json(summarize(rows, args), args.json)
     return summarize(rows, args)
@@ -266,19 +332,23 @@ def write_json(result: dict, path: str) -> None:
     Path(path).write_text(json.dumps(result, indent=2))
 
 
-def _best(rows: list[Row], system: str, dtype: str) -> Row | None:
+def _best(rows: list[BenchRow], system: str, dtype: str) -> BenchRow | None:
     found = [r for r in rows if r.system == system and r.dtype == dtype and not r.tag and not r.error]
     return max(found, key=lambda r: r.useful_tokens_per_s) if found else None
 
 
-def summarize(rows: list[Row], args: argparse.Namespace) -> dict:
+def summarize(rows: list[BenchRow], args: argparse.Namespace) -> dict:
     from replica.model_runner import pick_device
 
     on_cpu = pick_device(args.device) == "cpu"  # HARDWARE.md's roofline is this CPU's
     roofline = args.roofline or (hardware_roofline(Path(args.hardware)) if on_cpu else None)
     pair = [r for r in rows if r.tag == "bf16" and not r.error]
-    result: dict = {"model": args.model, "workload": f"saturated ({args.requests} requests)",
-                    "roofline_tokens_per_s": roofline, "rows": []}
+    result: dict = {
+        "model": args.model,
+        "workload": f"saturated ({args.requests} requests)",
+        "roofline_tokens_per_s": roofline,
+        "rows": [],
+    }
     engine_rows = [r for r in rows if r.system == "slotserve" and not r.tag and not r.error]
     best = max(engine_rows, key=lambda r: r.useful_tokens_per_s) if engine_rows else None
     for r in rows:
@@ -290,23 +360,31 @@ def summarize(rows: list[Row], args: argparse.Namespace) -> dict:
             d["pct_of_roofline"] = 100 * r.useful_tokens_per_s / roofline if roofline else None
         result["rows"].append(d)
     if best is not None:
-        result["best_slotserve"] = {"policy": best.policy, "slots": best.slots,
-                                    "useful_tokens_per_s": best.useful_tokens_per_s}
+        result["best_slotserve"] = {
+            "policy": best.policy,
+            "slots": best.slots,
+            "useful_tokens_per_s": best.useful_tokens_per_s,
+        }
         for peer in ("hf-static", "hf-continuous"):
             if (p := _best(rows, peer, best.dtype)) is not None:
                 result[f"ratio_to_{peer}"] = best.useful_tokens_per_s / p.useful_tokens_per_s
     if len(pair) == 2:
         fp32, bf16 = pair
         same = sum(a == b for a, b in zip(fp32.outputs, bf16.outputs))
-        result["bf16"] = {"speedup_over_fp32": bf16.useful_tokens_per_s / fp32.useful_tokens_per_s,
-                          "identical_greedy_share": same / len(fp32.outputs), "requests": len(fp32.outputs)}
+        result["bf16"] = {
+            "speedup_over_fp32": bf16.useful_tokens_per_s / fp32.useful_tokens_per_s,
+            "identical_greedy_share": same / len(fp32.outputs),
+            "requests": len(fp32.outputs),
+        }
     return result
 
 
-def format_table(result: dict) -> str:
-    lines = [f"{result['model']}, {result['workload']}; roofline {result['roofline_tokens_per_s'] or '?'} tokens/s",
-             f"{'system':18} {'policy / settings':58} {'slots':>5} {'dtype':>8} {'useful tok/s':>12} "
-             f"{'peak MB':>8}  vs peer"]
+def format_bench(result: dict) -> str:
+    lines = [
+        f"{result['model']}, {result['workload']}; roofline {result['roofline_tokens_per_s'] or '?'} tokens/s",
+        f"{'system':18} {'policy / settings':58} {'slots':>5} {'dtype':>8} {'useful tok/s':>12} "
+        f"{'peak MB':>8}  vs peer",
+    ]
     for r in result["rows"]:
         note = ""
         if r["system"] == "slotserve-decode":
@@ -314,46 +392,22 @@ def format_table(result: dict) -> str:
             note = (f"{ratio:.2f}x hf decode" if ratio else "") + (f", {pct:.0f}% of roofline" if pct else "")
         if r["error"]:
             note = f"FAILED: {r['error']}"
-        lines.append(f"{r['system']:18} {r['policy']:58} {r['slots']:5d} {r['dtype']:>8} "
-                     f"{r['useful_tokens_per_s']:12.1f} {r['peak_mem_mb']:8.0f}  {note}")
+        lines.append(
+            f"{r['system']:18} {r['policy']:58} {r['slots']:5d} {r['dtype']:>8} "
+            f"{r['useful_tokens_per_s']:12.1f} {r['peak_mem_mb']:8.0f}  {note}"
+        )
     if "best_slotserve" in result:
         b = result["best_slotserve"]
-        lines.append(f"best slotserve: {b['policy']} at {b['slots']} slots, {b['useful_tokens_per_s']:.1f} tok/s"
-                     + "".join(f"; {result[k]:.2f}x {k[9:]}" for k in ("ratio_to_hf-continuous", "ratio_to_hf-static")
-                               if k in result))
+        lines.append(
+            f"best slotserve: {b['policy']} at {b['slots']} slots, {b['useful_tokens_per_s']:.1f} tok/s"
+            + "".join(
+                f"; {result[k]:.2f}x {k[9:]}" for k in ("ratio_to_hf-continuous", "ratio_to_hf-static") if k in result
+            )
+        )
     if "bf16" in result:
         b = result["bf16"]
-        lines.append(f"bf16 vs fp32 (continuous, {b['requests']} requests): speed {b['speedup_over_fp32']:.2f}x, "
-                     f"identical greedy outputs {b['identical_greedy_share']:.0%}")
+        lines.append(
+            f"bf16 vs fp32 (continuous, {b['requests']} requests): speed {b['speedup_over_fp32']:.2f}x, "
+            f"identical greedy outputs {b['identical_greedy_share']:.0%}"
+        )
     return "\n".join(lines)
-
-
-def add_bench_command(sub) -> None:
-    b = sub.add_parser("bench", help="slotserve's engine against transformers on this machine",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    b.add_argument("--model", default=DEFAULT_MODEL, help=f"model (default {DEFAULT_MODEL})")
-    b.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
-    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="dtype of every row but the bf16-vs-fp32 pair (default float32)")
-    b.add_argument("--requests", type=int, default=48, help="saturated requests (default 48, as DESIGN.md)")
-    b.add_argument("--slots", type=int, nargs="+", default=[8, 16, 32, 64], help="slot counts (default 8 16 32 64)")
-    b.add_argument("--policies", nargs="+", default=["continuous", "chunked"], help="slotserve batching policies")
-    b.add_argument("--decode-batches", type=int, nargs="*", default=[8, 16, 32, 64],
-                   help="batch sizes of the decode-step comparison (none: skip it)")
-    b.add_argument("--no-peers", dest="peers", action="store_false",
-                   help="skip transformers' generate() and continuous batching")
-    b.add_argument("--no-bf16", dest="bf16", action="store_false", help="skip the bf16 comparison")
-    b.add_argument("--bf16-requests", type=int, default=16, help="requests of the bf16 comparison (default 16)")
-    b.add_argument("--hardware", default="HARDWARE.md", help="where to read the compute roofline (default HARDWARE.md)")
-    b.add_argument("--roofline", type=float, help="compute roofline in tokens/s (overrides --hardware)")
-    b.add_argument("--json", metavar="PATH", help="write the rows and ratios as JSON")
-    b.set_defaults(func=bench_command)
-
-
-def bench_command(args: argparse.Namespace) -> int:
-    result = run(args)
-    print(format_table(result))
-    if args.json:
-        write_json(result, args.json)
-        print(f"wrote {args.json}")
-    return 0

@@ -1,4 +1,4 @@
-"""The metric definitions of DESIGN.md, in one place (they match `vllm bench serve`).
+"""The metric definitions of docs/ARCHITECTURE.md, in one place (they match `vllm bench serve`).
 
 For request i: arrival a, first token f, token times t1..tn, completion c.
 TTFT = f - a; TPOT = (c - f) / (n - 1) for n >= 2; ITL = every gap t(k+1) - t(k), pooled;
@@ -8,8 +8,8 @@ goodput = output tokens (and requests) of requests meeting every SLO, per second
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -28,6 +28,12 @@ class RequestTrace:
     prompt_len: int
     replica: str | None = None
     num_preemptions: int = 0
+    # What the store keeps beside the metric inputs (None / 0 where the source has no such thing).
+    session_id: str | None = None
+    max_tokens: int | None = None
+    error: str | None = None
+    planned_arrival: float | None = None  # when the workload meant it to arrive (None: at `arrival`)
+    submit_lateness: float = 0.0  # how late the driver submitted it against `planned_arrival`
 
     @property
     def num_output_tokens(self) -> int:

@@ -2,21 +2,22 @@
 over seeds, with the spread as half the min-max range), and a Markdown report with the table,
 the command, the machine, the run ids and the plots, in one folder.
 
-Every figure comes from `cluster.report.analyze` of the stored runs (the DESIGN.md metrics,
+Every figure comes from `metrics.report.analyze` of the stored runs (the docs/ARCHITECTURE.md metrics,
 for the whole cluster), so the report says what `slotserve report RUN` says about each run."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-from cluster.experiment import AXES, Cell, ExperimentResult
-from cluster.metrics import SLO
-from cluster.report import analyze
-from cluster.store import MetricsStore
+from experiments.plan import AXES, Cell
+from experiments.run import ExperimentResult
+from metrics.definitions import SLO
+from metrics.report import analyze
+from metrics.store import MetricsStore
 
 # key, header, value from analyze()'s cluster scope, format
 METRICS: list[tuple[str, str, Callable[[dict], float | None], str]] = [
@@ -37,7 +38,7 @@ def _pct(v: float | None) -> float | None:
 
 
 @dataclass
-class Row:
+class SummaryRow:
     """A cell without its seed: its runs (one per seed) and each metric's value per run."""
 
     cell: Cell  # the first seed's
@@ -53,14 +54,14 @@ class Row:
         return text if len(values) < 2 else f"{text} ±{fmt.format((max(values) - min(values)) / 2)}"
 
 
-def summarize_runs(result: ExperimentResult) -> list[Row]:
+def summarize_runs(result: ExperimentResult) -> list[SummaryRow]:
     """The table's rows, in the order the cells ran."""
     slo = SLO(**result.plan.experiment.slo.model_dump())
     store = MetricsStore(result.store_path)
-    rows: dict[tuple, Row] = {}
+    rows: dict[tuple, SummaryRow] = {}
     try:
         for cell, run_id in result.runs:
-            row = rows.setdefault(cell.row, Row(cell, values={k: [] for k, *_ in METRICS}))
+            row = rows.setdefault(cell.row, SummaryRow(cell, values={k: [] for k, *_ in METRICS}))
             row.run_ids.append(run_id)
             scope = analyze(store, run_id, slo)["cluster"]
             for key, _, value, _ in METRICS:
@@ -71,17 +72,17 @@ def summarize_runs(result: ExperimentResult) -> list[Row]:
     return list(rows.values())
 
 
-def shown_axes(rows: list[Row]) -> list[str]:
+def shown_axes(rows: list[SummaryRow]) -> list[str]:
     """Batching and routing always; another axis only where it takes more than one value."""
     return [a for a in AXES if a in ("batching", "routing") or len({getattr(r.cell, a) for r in rows}) > 1]
 
 
-def _key_text(row: Row, axis: str) -> str:
+def _key_text(row: SummaryRow, axis: str) -> str:
     value = getattr(row.cell, axis)
     return "-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def format_table(rows: list[Row], markdown: bool = False) -> str:
+def format_summary(rows: list[SummaryRow], markdown: bool = False) -> str:
     axes = shown_axes(rows)
     header = axes + [h for _, h, _, _ in METRICS]
     body = [[_key_text(r, a) for a in axes] + [r.cell_text(k) for k, *_ in METRICS] for r in rows]
@@ -90,8 +91,10 @@ def format_table(rows: list[Row], markdown: bool = False) -> str:
         lines += ["| " + " | ".join(cells) + " |" for cells in body]
     else:
         widths = [max(len(x) for x in column) for column in zip(header, *body)]
-        lines = ["  ".join(f"{x:<{w}}" if i < len(axes) else f"{x:>{w}}" for i, (x, w) in enumerate(zip(cells, widths)))
-                 for cells in [header, *body]]
+        lines = [
+            "  ".join(f"{x:<{w}}" if i < len(axes) else f"{x:>{w}}" for i, (x, w) in enumerate(zip(cells, widths)))
+            for cells in [header, *body]
+        ]
     seeds = max(len(r.run_ids) for r in rows)
     return "\n".join(lines + ["", f"{SPREAD_NOTE} ({seeds} seeds)" if seeds > 1 else "one seed: no spread"])
 
@@ -103,14 +106,16 @@ def series_label(cell: Cell, axes: list[str]) -> str:
 
 def machine_line(machine: dict) -> str:
     parts = [machine.get("hostname"), machine.get("platform"), machine.get("processor")]
-    parts += [f"{machine['cpus_usable']} usable CPUs" if "cpus_usable" in machine else None,
-              f"{machine['memory_gib']} GiB" if "memory_gib" in machine else None,
-              ", ".join(machine.get("gpus", [])) or "no GPU"]
+    parts += [
+        f"{machine['cpus_usable']} usable CPUs" if "cpus_usable" in machine else None,
+        f"{machine['memory_gib']} GiB" if "memory_gib" in machine else None,
+        ", ".join(machine.get("gpus", [])) or "no GPU",
+    ]
     return ", ".join(str(p) for p in parts if p)
 
 
-def _plots(result: ExperimentResult, rows: list[Row], out: Path) -> list[tuple[str, Path]]:
-    from cluster import plots
+def _plots(result: ExperimentResult, rows: list[SummaryRow], out: Path) -> list[tuple[str, Path]]:
+    from metrics import plots
 
     experiment = result.plan.experiment
     axes = shown_axes(rows)
@@ -118,8 +123,8 @@ def _plots(result: ExperimentResult, rows: list[Row], out: Path) -> list[tuple[s
     made: list[tuple[str, Path]] = []
     kind = "simulated" if result.simulated else "real"
     points = [plots.SweepPoint(series_label(r.cell, axes), r.cell.load, r.values) for r in rows]
-    first_runs = {_run_title(r, axes): r.run_ids[0] for r in rows[:plots.MAX_PANELS]}
-    lightest: dict[str, Row] = {}  # per series, its row at the lowest load: every policy gets a timeline
+    first_runs = {_run_title(r, axes): r.run_ids[0] for r in rows[: plots.MAX_PANELS]}
+    lightest: dict[str, SummaryRow] = {}  # per series, its row at the lowest load: every policy gets a timeline
     for r in rows:
         best = lightest.setdefault(series_label(r.cell, axes), r)
         if (r.cell.load or 0) < (best.cell.load or 0):
@@ -129,24 +134,57 @@ def _plots(result: ExperimentResult, rows: list[Row], out: Path) -> list[tuple[s
         for name in experiment.plots:
             path = out / f"{name}.png"
             if name == "throughput":
-                made.append(("Throughput and goodput", plots.plot_sweep(
-                    points, [("throughput", "throughput (output tok/s)"), ("goodput", "goodput (output tok/s)")],
-                    path, f"{experiment.name} ({kind}): {SPREAD_NOTE}")))
+                made.append(
+                    (
+                        "Throughput and goodput",
+                        plots.plot_sweep(
+                            points,
+                            [("throughput", "throughput (output tok/s)"), ("goodput", "goodput (output tok/s)")],
+                            path,
+                            f"{experiment.name} ({kind}): {SPREAD_NOTE}",
+                        ),
+                    )
+                )
             elif name == "latency":
-                made.append(("TTFT and ITL p99", plots.plot_sweep(
-                    points, [("ttft_p99", "TTFT p99 (s)"), ("itl_p99", "ITL p99 (s)")],
-                    path, f"{experiment.name} ({kind}): {SPREAD_NOTE}")))
+                made.append(
+                    (
+                        "TTFT and ITL p99",
+                        plots.plot_sweep(
+                            points,
+                            [("ttft_p99", "TTFT p99 (s)"), ("itl_p99", "ITL p99 (s)")],
+                            path,
+                            f"{experiment.name} ({kind}): {SPREAD_NOTE}",
+                        ),
+                    )
+                )
             elif name == "cdf":
                 traces = {_row_title(r, axes): [t for run_id in r.run_ids for t in store.traces(run_id)] for r in rows}
-                made.append(("Latency distributions", plots.plot_latency_cdfs(
-                    traces, path, f"{experiment.name} ({kind}): all seeds pooled")))
+                made.append(
+                    (
+                        "Latency distributions",
+                        plots.plot_latency_cdfs(traces, path, f"{experiment.name} ({kind}): all seeds pooled"),
+                    )
+                )
             elif name == "occupancy":
-                made.append(("Per-replica occupancy", plots.plot_occupancy(
-                    {label: store.steps(run_id) for label, run_id in first_runs.items()}, path,
-                    f"{experiment.name} ({kind}): occupancy per replica, first seed's run")))
+                made.append(
+                    (
+                        "Per-replica occupancy",
+                        plots.plot_occupancy(
+                            {label: store.steps(run_id) for label, run_id in first_runs.items()},
+                            path,
+                            f"{experiment.name} ({kind}): occupancy per replica, first seed's run",
+                        ),
+                    )
+                )
             elif name == "slot_timeline":
-                made.append(("Slot timeline", plots.plot_slot_timelines(
-                    {label: _timeline(store, run_id) for label, run_id in timelines.items()}, path)))
+                made.append(
+                    (
+                        "Slot timeline",
+                        plots.plot_slot_timelines(
+                            {label: _timeline(store, run_id) for label, run_id in timelines.items()}, path
+                        ),
+                    )
+                )
     finally:
         store.close()
     return made
@@ -156,16 +194,16 @@ TIMELINE_REQUESTS = 32  # a slot timeline shows the first requests of one replic
 MAX_TIMELINES = 6
 
 
-def _row_title(row: Row, axes: list[str]) -> str:
+def _row_title(row: SummaryRow, axes: list[str]) -> str:
     return series_label(row.cell, axes) + (f" load {row.cell.load:g}" if row.cell.load is not None else "")
 
 
-def _run_title(row: Row, axes: list[str]) -> str:
+def _run_title(row: SummaryRow, axes: list[str]) -> str:
     return f"{_row_title(row, axes)} (run {row.run_ids[0]})"
 
 
 def _timeline(store: MetricsStore, run_id: int) -> tuple[list, int]:
-    from cluster.plots import slot_spans
+    from metrics.plots import slot_spans
 
     steps = store.steps(run_id)
     if not steps:
@@ -176,7 +214,7 @@ def _timeline(store: MetricsStore, run_id: int) -> tuple[list, int]:
     return slot_spans(traces, mine)[:TIMELINE_REQUESTS], mine[0]["num_slots"]
 
 
-def write_report(result: ExperimentResult, rows: list[Row], out: Path, command: str) -> Path:
+def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, command: str) -> Path:
     """`out`/report.md with the table, the command, the machine, the runs and the plots (PNGs in `out`)."""
     experiment = result.plan.experiment
     out.mkdir(parents=True, exist_ok=True)
@@ -190,25 +228,39 @@ def write_report(result: ExperimentResult, rows: list[Row], out: Path, command: 
     model = f"fake flat-cost model ({c.fake_step_seconds * 1000:g} ms a step)" if c.model == "fake" else c.model
     if result.simulated:
         cost = result.plan.cost
-        model = f"simulated: {type(cost).__name__}" + (f" from {c.cost_model}" if c.cost_model else
-                                                      f" ({c.fake_step_seconds * 1000:g} ms a step)")
+        model = f"simulated: {type(cost).__name__}" + (
+            f" from {c.cost_model}" if c.cost_model else f" ({c.fake_step_seconds * 1000:g} ms a step)"
+        )
     capacity = ", ".join(f"{v:.1f} output tok/s at {s} slots/replica" for s, v in result.capacities.items())
     lines = [
-        f"# {experiment.name}", "", experiment.description.strip(), "",
-        f"Made by `{command}` on {time.strftime('%Y-%m-%d')}, commit `{first['git_commit']}`.", "",
+        f"# {experiment.name}",
+        "",
+        experiment.description.strip(),
+        "",
+        f"Made by `{command}` on {time.strftime('%Y-%m-%d')}, commit `{first['git_commit']}`.",
+        "",
         f"- Machine: {machine_line(first['machine'] or {})}",
         f"- Cluster: {c.replicas} replicas, {model}, max_seq_len {c.max_seq_len}, {c.dtype}"
         f"{'' if result.simulated else f', {c.num_cpus:g} CPU per replica'}",
         f"- Workload of the first cell: {first['config']['workload']}; seeds {experiment.sweep.seeds}"
         f"{'; each cell sets the arrival rate from its load' if experiment.sweep.load else ''}",
         f"- Capacity (saturating probe, {'simulated' if result.simulated else 'median of 3'}): {capacity}"
-        if result.capacities else "- Capacity: not measured",
+        if result.capacities
+        else "- Capacity: not measured",
         f"- SLO: TTFT <= {slo.ttft} s, TPOT <= {slo.tpot} s, E2E {f'<= {slo.e2e} s' if slo.e2e else 'not limited'}; "
         "rejected and failed requests miss it",
-        f"- Runs: {len(result.runs)} in `{result.store_path}` ({'simulated' if result.simulated else 'real'})", "",
-        "## Results", "", format_table(rows, markdown=True), "",
-        "## Runs", "", "| row | run ids |", "|---|---|",
-        *[f"| {r.cell.label.rsplit(' seed=', 1)[0]} | {', '.join(map(str, r.run_ids))} |" for r in rows], "",
+        f"- Runs: {len(result.runs)} in `{result.store_path}` ({'simulated' if result.simulated else 'real'})",
+        "",
+        "## Results",
+        "",
+        format_summary(rows, markdown=True),
+        "",
+        "## Runs",
+        "",
+        "| row | run ids |",
+        "|---|---|",
+        *[f"| {r.cell.label.rsplit(' seed=', 1)[0]} | {', '.join(map(str, r.run_ids))} |" for r in rows],
+        "",
     ]
     if plots:
         lines += ["## Plots", ""] + [f"### {title}\n\n![{title}]({path.name})\n" for title, path in plots]

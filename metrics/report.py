@@ -1,7 +1,7 @@
 """Goodput analysis of stored runs, for the whole cluster and for each replica, and the
 `slotserve report` command that prints it as a table, CSV or JSON.
 
-Every latency and goodput figure comes from `cluster.metrics.summarize` (the DESIGN.md
+Every latency and goodput figure comes from `metrics.definitions.summarize` (the docs/ARCHITECTURE.md
 definitions); this module only groups requests and steps by replica and adds what needs the
 steps or the spread across replicas:
 
@@ -21,19 +21,15 @@ steps or the spread across replicas:
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
-import json
-import sys
 from collections import Counter
 from dataclasses import asdict
-from pathlib import Path
 
 import numpy as np
 
-from cluster.metrics import SLO, RequestTrace, percentiles, slot_efficiency, summarize
-from cluster.store import DEFAULT_STORE, MetricsStore, StoreError
+from metrics.definitions import SLO, RequestTrace, percentiles, slot_efficiency, summarize
+from metrics.store import MetricsStore, StoreError
 
 
 def analyze(store: MetricsStore, run_id: int, slo: SLO = SLO()) -> dict:
@@ -41,22 +37,36 @@ def analyze(store: MetricsStore, run_id: int, slo: SLO = SLO()) -> dict:
     and failures of one run, for the cluster and per replica, plus the imbalance across replicas."""
     run = store.run(run_id)
     traces, steps = store.traces(run_id), store.steps(run_id)
-    replica_ids = sorted({t.replica for t in traces if t.replica is not None} | {s["replica_id"] for s in steps}
-                         | {r for d in store.decisions(run_id) for r in d["scores"] or {}})
-    replicas = {r: _scope([t for t in traces if t.replica == r], [s for s in steps if s["replica_id"] == r], slo)
-                for r in replica_ids}
+    replica_ids = sorted(
+        {t.replica for t in traces if t.replica is not None}
+        | {s["replica_id"] for s in steps}
+        | {r for d in store.decisions(run_id) for r in d["scores"] or {}}
+    )
+    replicas = {
+        r: _scope([t for t in traces if t.replica == r], [s for s in steps if s["replica_id"] == r], slo)
+        for r in replica_ids
+    }
     cluster = _scope(traces, steps, slo)
     occupancies = [r["occupancy"] for r in replicas.values() if r["occupancy"] is not None]
     cluster["occupancy"] = float(np.mean(occupancies)) if occupancies else None
     lateness = [r["submit_lateness"] for r in store.requests(run_id) if r["submit_lateness"] is not None]
     return {
-        "run_id": run["run_id"], "name": run["name"], "status": run["status"], "complete": run["complete"],
-        "batching_policy": run["batching_policy"], "routing_policy": run["routing_policy"], "seed": run["seed"],
-        "simulated": run["simulated"], "git_commit": run["git_commit"], "slo": asdict(slo),
+        "run_id": run["run_id"],
+        "name": run["name"],
+        "status": run["status"],
+        "complete": run["complete"],
+        "batching_policy": run["batching_policy"],
+        "routing_policy": run["routing_policy"],
+        "seed": run["seed"],
+        "simulated": run["simulated"],
+        "git_commit": run["git_commit"],
+        "slo": asdict(slo),
         "cluster": cluster,
         "replicas": replicas,
-        "imbalance": {"requests": _imbalance([r["num_requests"] for r in replicas.values()]),
-                      "output_tokens": _imbalance([r["output_tokens"] for r in replicas.values()])},
+        "imbalance": {
+            "requests": _imbalance([r["num_requests"] for r in replicas.values()]),
+            "output_tokens": _imbalance([r["output_tokens"] for r in replicas.values()]),
+        },
         "submit_lateness": percentiles(lateness),
     }
 
@@ -68,17 +78,35 @@ def _scope(traces: list[RequestTrace], steps: list[dict], slo: SLO) -> dict:
         del row["slo"]  # stated once per run
     else:  # an idle replica, or a run killed before any request ended
         none = percentiles([])
-        row = {"num_requests": 0, "num_served": 0, "output_tokens": 0, "makespan": 0.0, "throughput": 0.0,
-               "goodput": 0.0, "goodput_requests": 0.0, "slo_attainment": None, "ttft": none, "tpot": none,
-               "itl": none, "e2e": none, "num_preemptions": 0}
+        row = {
+            "num_requests": 0,
+            "num_served": 0,
+            "output_tokens": 0,
+            "makespan": 0.0,
+            "throughput": 0.0,
+            "goodput": 0.0,
+            "goodput_requests": 0.0,
+            "slo_attainment": None,
+            "ttft": none,
+            "tpot": none,
+            "itl": none,
+            "e2e": none,
+            "num_preemptions": 0,
+        }
     ends = Counter(t.finish_reason for t in traces)
     ratios = [s["live_slots"] / s["num_slots"] for s in steps if s["num_slots"]]
     row.update(
-        rejected=ends["rejected"], failed=ends["error"], aborted=ends["abort"], num_steps=len(steps),
+        rejected=ends["rejected"],
+        failed=ends["error"],
+        aborted=ends["abort"],
+        num_steps=len(steps),
         preemptions=sum(s["preemptions"] or 0 for s in steps),
         occupancy=float(np.mean(ratios)) if ratios else None,
-        slot_efficiency=slot_efficiency([s["useful_rows"] or 0 for s in steps],
-                                        [s["computed_rows"] or 0 for s in steps]) if steps else None,
+        slot_efficiency=slot_efficiency(
+            [s["useful_rows"] or 0 for s in steps], [s["computed_rows"] or 0 for s in steps]
+        )
+        if steps
+        else None,
     )
     return row
 
@@ -144,8 +172,10 @@ def format_report(analyses: list[dict]) -> str:
         ]
         for scope, row in [("cluster", a["cluster"])] + list(a["replicas"].items()):
             lines.append("  ".join([f"{scope:<{name_width}}"] + [f"{value(row)!s:>{w}}" for _, w, value in _COLUMNS]))
-        lines.append(f"imbalance over {len(a['replicas'])} replicas (max/mean): requests "
-                     f"{_ratio(a['imbalance']['requests'])}, output tokens {_ratio(a['imbalance']['output_tokens'])}")
+        lines.append(
+            f"imbalance over {len(a['replicas'])} replicas (max/mean): requests "
+            f"{_ratio(a['imbalance']['requests'])}, output tokens {_ratio(a['imbalance']['output_tokens'])}"
+        )
         late = a["submit_lateness"]
         if late["max"] is not None:
             lines.append(f"driver submit lateness: p99 {_sec(late['p99'])} s, max {_sec(late['max'])} s")
@@ -178,6 +208,7 @@ def to_csv(analyses: list[dict]) -> str:
 
 # --- command line -----------------------------------------------------------------------
 
+
 def resolve_run(store: MetricsStore, ref: str) -> int:
     """A RUN argument: a run id, or 'latest' for the most recently begun run."""
     if ref == "latest":
@@ -189,41 +220,3 @@ def resolve_run(store: MetricsStore, ref: str) -> int:
         return int(ref)
     except ValueError:
         raise StoreError(f"RUN must be a run id or 'latest'; got {ref!r}") from None
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    if not args.store.is_file():
-        raise StoreError(f"no metrics store at {args.store} (runs write to {DEFAULT_STORE} by default; "
-                         "pass --store PATH)")
-    store = MetricsStore(args.store)
-    slo = SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e)
-    analyses = [analyze(store, resolve_run(store, ref), slo) for ref in args.runs]
-    if args.json:
-        print(json.dumps(analyses, indent=2))
-    elif args.csv:
-        sys.stdout.write(to_csv(analyses))
-    else:
-        print(format_report(analyses))
-    return 0
-
-
-def add_report_command(subparsers: argparse._SubParsersAction) -> None:
-    """Register `slotserve report` on the CLI's subparsers."""
-    p = subparsers.add_parser(
-        "report", help="goodput, latency, occupancy and balance of stored runs",
-        description="Analyse runs in the metrics store, for the cluster and for each replica: throughput, goodput "
-                    "and SLO attainment, TTFT/TPOT/ITL/E2E percentiles (p50, p90, p99, max), occupancy, slot "
-                    "efficiency, preemptions, rejected and failed requests, and the imbalance across replicas.")
-    p.add_argument("runs", nargs="+", metavar="RUN", help="run id, or 'latest' for the most recently begun run")
-    p.add_argument("--store", type=Path, default=DEFAULT_STORE, metavar="PATH",
-                   help="metrics store file (default: %(default)s)")
-    p.add_argument("--slo-ttft", type=float, default=SLO.ttft, metavar="S",
-                   help="TTFT limit in seconds (default: %(default)s)")
-    p.add_argument("--slo-tpot", type=float, default=SLO.tpot, metavar="S",
-                   help="TPOT limit in seconds (default: %(default)s)")
-    p.add_argument("--slo-e2e", type=float, default=SLO.e2e, metavar="S",
-                   help="end-to-end latency limit in seconds (default: no limit)")
-    fmt = p.add_mutually_exclusive_group()
-    fmt.add_argument("--csv", action="store_true", help="one CSV row per run and scope instead of the table")
-    fmt.add_argument("--json", action="store_true", help="the full analyses as JSON instead of the table")
-    p.set_defaults(func=cmd_report)

@@ -1,0 +1,136 @@
+"""`slotserve experiment FILE`: run an experiment file and write its report."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+import ray
+
+from experiments.plan import plan_experiment
+from experiments.report import format_summary, summarize_runs, write_report
+from experiments.run import run_experiment
+from metrics.store import DEFAULT_STORE
+from replica.errors import ConfigError
+from workloads.experiment import ExperimentError
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line that made a report, as a user would type it."""
+    words = ["slotserve", "experiment", str(args.file)]
+    words += ["--simulate"] * args.simulate
+    for flag, value in (("--store", args.store), ("--out", args.out), ("--address", args.address)):
+        if value is not None and not (flag == "--store" and value == DEFAULT_STORE):
+            words += [flag, str(value)]
+    if args.seeds:
+        words += ["--seeds", *map(str, args.seeds)]
+    return shlex.join(words)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan = plan_experiment(args.file, args.seeds, args.simulate)
+    except ExperimentError as err:
+        raise ConfigError(str(err)) from None
+    experiment = plan.experiment
+    if args.dry_run:
+        print(
+            f"{args.file}: {experiment.name}: {len(plan.cells)} cells "
+            f"({len({c.row for c in plan.cells})} rows x {len(experiment.sweep.seeds)} seeds)"
+        )
+        for cell in plan.cells:
+            print(f"  {cell.label}")
+        return 0
+    try:
+        result = run_experiment(plan, simulate=args.simulate, store_path=args.store, address=args.address)
+    except KeyboardInterrupt:
+        print(
+            "slotserve: experiment interrupted; the run in progress is marked 'aborted' in the store", file=sys.stderr
+        )
+        return 130
+    finally:
+        if not args.simulate and ray.is_initialized():
+            ray.shutdown()
+    rows = summarize_runs(result)
+    print(format_summary(rows))
+    out = args.out or experiment.path.parent / experiment.name
+    report = write_report(result, rows, out, _command(args))
+    print(f"runs {', '.join(str(r) for _, r in result.runs)} in {Path(args.store).resolve()}; report: {report}")
+    return 0
+
+
+EXAMPLE = """\
+an experiment file (TOML; YAML takes the same keys):
+  name = "load-sweep"                   # also the report's folder name
+  description = "continuous against chunked prefill as load grows"
+  plots = ["throughput", "latency", "cdf", "occupancy", "slot_timeline"]   # the default: all
+
+  [workload]                            # a standard workload and its arguments, or
+  standard = "long-prompts"             #   spec = { source = "synthetic", ... } (workloads/spec.py)
+  args = { num_requests = 64 }          #   spec = { source = "trace", format = "azure", path = "t.csv" }
+
+  [cluster]
+  replicas = 2
+  slots = 8                             # per replica (or sweep.slots)
+  max_seq_len = 640
+  model = "fake"                        # or smollm2-135m, or a local Hugging Face directory
+  fake_step_seconds = 0.02              # the fake model's flat step
+  # cost_model = "../results/cost_model.json"   what --simulate pays per step (`slotserve calibrate`)
+  # engine = { max_wait = 0.2 }         any other EngineConfig field
+
+  [sweep]                               # cells = the product of the axes
+  batching = ["continuous", "chunked"]
+  routing = ["least_loaded"]
+  load = [0.5, 1.0, 1.5]                # x measured capacity; leave out for all-at-once or closed loop
+  token_budget = [64, 256]              # only for policies that read it (chunked)
+  seeds = [0, 1, 2]
+
+  [slo]
+  ttft = 2.0                            # seconds
+  tpot = 0.25
+  # e2e = 10.0
+
+Paths in the file are relative to its folder.
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `slotserve experiment` on the CLI's subparsers."""
+    p = subparsers.add_parser(
+        "experiment",
+        help="run an experiment file (a sweep of policies and loads) and report it",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLE,
+        description="Run every cell of an experiment file (TOML or YAML: a workload, the cluster, the axes to\n"
+        "sweep, the SLO, the plots) on a Ray cluster started for it, or with --simulate in the\n"
+        "simulator, recording one run per cell in the store. Prints a table (median over seeds with\n"
+        "the spread) and writes report.md and PNG plots to <folder of FILE>/<name>/. The whole file\n"
+        "is checked before anything runs; an error names the file and line.",
+    )
+    p.add_argument("file", type=Path, metavar="FILE", help="experiment file (.toml, .yaml or .yml)")
+    p.add_argument(
+        "--simulate",
+        action="store_true",
+        help="run the cells in the simulator (cost model: cluster.cost_model, or the fake model's flat "
+        "step); runs are marked simulated",
+    )
+    p.add_argument(
+        "--store", type=Path, default=DEFAULT_STORE, metavar="PATH", help="metrics store file (default: %(default)s)"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="folder for report.md and the plots (default: <folder of FILE>/<name>)",
+    )
+    p.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster HOST:PORT (default: the one `ray start` made on this machine, else a local one)",
+    )
+    p.add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED", help="replace the file's sweep.seeds")
+    p.add_argument("--dry-run", action="store_true", help="check the file and list its cells; run nothing")
+    p.set_defaults(func=run)

@@ -1,0 +1,69 @@
+"""`slotserve run`: replay a workload through the cluster once per routing policy and record it."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from cli import common, report
+from metrics.definitions import SLO
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+
+    from cluster.deploy import ensure_ray, find_cluster, start_cluster, stop_cluster
+    from experiments.run import routing_experiment
+
+    ensure_ray(args.address, start_local=False)
+    owned = not common.running_cluster(args.address)
+    spec = common.cluster_spec(args)
+    if owned:
+        print(f"no cluster running: starting {spec.num_replicas} replicas for this run ...", flush=True)
+        deployment = start_cluster(spec)
+    else:
+        deployment = find_cluster()
+    try:
+        run_ids = routing_experiment(
+            deployment,
+            args.routing,
+            args.workload,
+            args.requests,
+            args.load,
+            args.seed,
+            config=spec.model_dump() if owned else {"cluster": "already running"},
+        )
+    finally:
+        if owned:
+            stop_cluster()
+    ray.shutdown()
+    if owned:
+        from metrics.plots import plot_cluster_runs
+        from metrics.store import MetricsStore
+
+        plot = plot_cluster_runs(
+            MetricsStore(args.store), run_ids, Path(args.store).parent / f"runs-{run_ids[0]}-{run_ids[-1]}.png"
+        )
+        print(f"recorded runs {', '.join(map(str, run_ids))} in {Path(args.store).resolve()}; plot: {plot}")
+    else:
+        print(f"recorded runs {', '.join(map(str, run_ids))} in the running cluster's store")
+    if args.report:
+        report.print_reports(args.store, list(map(str, run_ids)), SLO())
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    r = subparsers.add_parser(
+        "run",
+        help="replay a workload through the cluster and record it",
+        description="Measure the cluster's capacity, then replay one seeded workload once per --routing "
+        "policy, recording every request, token, step and routing decision in the store. "
+        "Uses the running cluster, or starts one for this run from the options below.",
+    )
+    common.address_arg(r)
+    r.add_argument("--workload", choices=["bursty-mix", "long-prompts", "saturated"], default="bursty-mix")
+    r.add_argument("--requests", type=int, default=32)
+    r.add_argument("--load", type=float, default=0.8, help="arrival rate as a multiple of measured cluster capacity")
+    r.add_argument("--report", action="store_true", help="print the report of the runs at the end")
+    common.cluster_args(r)
+    r.set_defaults(func=run)

@@ -1,0 +1,197 @@
+"""Where an experiment's cells run: `SimulatedBackend` (the simulator, recorded by this
+process) and `RayBackend` (a Ray cluster it starts and stops), each measuring the capacity a
+cell's load is a multiple of and running one cell into the store. `measure_capacity` and
+`routing_experiment` also serve `slotserve run`.
+
+Load is a multiple of capacity measured for the cluster shape: a saturating probe through the
+router (real: the median of three; simulated: the same probe on virtual time, which is
+deterministic), once per slots-per-replica value, so every batching and routing policy at one
+slot count sees exactly the same traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import ray
+
+from cluster.client import Client
+from cluster.deploy import Deployment
+from cluster.driver import run_workload
+from experiments.plan import Cell, Plan
+from metrics.store import MetricsStore
+from replica.errors import ConfigError
+from router.policies import DEFAULT_POLICY
+from workloads.standard import at_load
+from workloads.workload import Workload, WorkloadRequest
+
+PROBE_PROMPT_LEN = 32  # tokens per capacity-probe prompt
+PROBE_MAX_TOKENS = 24
+
+
+def decode_rate(token_times: Iterable[list[float]]) -> float:
+    """Output tokens/s of a saturating probe: tokens after each request's first, over the
+    time from the first first-token to the last token."""
+    times = [t for t in token_times if t]
+    first = min(t[0] for t in times)
+    last = max(t[-1] for t in times)
+    return sum(len(t) - 1 for t in times) / (last - first)
+
+
+async def _probe(client: Client, num_requests: int, max_tokens: int) -> float:
+    results = await asyncio.gather(
+        *[
+            client.agenerate([100 + i] * PROBE_PROMPT_LEN, max_tokens=max_tokens, ignore_eos=True)
+            for i in range(num_requests)
+        ]
+    )
+    return decode_rate(r.token_times for r in results)
+
+
+def measure_capacity(deployment: Deployment, max_tokens: int = PROBE_MAX_TOKENS, probes: int = 3) -> float:
+    """Output tokens/s of the whole cluster with every slot of every replica busy decoding:
+    the median of a few saturating probes through the router (not recorded), so one stall
+    on a busy machine does not set the load of a whole experiment."""
+    infos = ray.get([r.info.remote() for r in deployment.replicas.values()])
+    slots = sum(i["num_slots"] for i in infos)
+    with Client() as client:
+        return statistics.median(asyncio.run(_probe(client, slots, max_tokens)) for _ in range(probes))
+
+
+def routing_experiment(
+    deployment: Deployment,
+    routing_policies: list[str],
+    workload_name: str,
+    num_requests: int,
+    load: float,
+    seed: int,
+    config: dict,
+    progress: bool = True,
+) -> list[int]:
+    """Replay the same seeded workload once per routing policy; returns the run ids."""
+    capacity = measure_capacity(deployment)
+    workload = at_load(workload_name, num_requests, load, capacity, seed)
+    batching = ray.get(next(iter(deployment.replicas.values())).info.remote())["policy"]
+    run_ids = []
+    for policy in routing_policies:
+        ray.get(deployment.router.set_policy.remote(policy))
+        stamp = time.strftime("%H%M%S")
+        run_ids.append(
+            run_workload(
+                deployment,
+                workload,
+                name=f"{workload_name}-{policy}-{stamp}",
+                config={**config, "workload": workload.describe(), "workload_params": workload.params},
+                batching_policy=batching,
+                routing_policy=policy,
+                seed=seed,
+                progress=progress,
+            )
+        )
+    return run_ids
+
+
+class SimulatedBackend:
+    """Cells in the simulator, recorded by this process (the store's only writer here)."""
+
+    def __init__(self, plan: Plan, store: MetricsStore):
+        self.plan, self.store = plan, store
+
+    def _config(self, cell: Cell, routing: str, seed: int):
+        from sim.simulator import SimulationConfig
+
+        return SimulationConfig(
+            num_replicas=self.plan.experiment.cluster.replicas,
+            engine=self.plan.engine_config(cell),
+            routing_policy=routing,
+            seed=seed,
+        )
+
+    def capacity(self, cell: Cell) -> float:
+        from sim.simulator import simulate
+
+        config = self._config(cell, DEFAULT_POLICY, 0)
+        probe = Workload(
+            "capacity-probe",
+            0,
+            [WorkloadRequest(0.0, PROBE_PROMPT_LEN, PROBE_MAX_TOKENS)] * (config.num_replicas * cell.slots),
+        )
+        return decode_rate(t.token_times for t in simulate(probe, config, self.plan.cost).traces)
+
+    def run(self, cell: Cell, workload: Workload, name: str, config: dict, slo: dict) -> int:
+        from sim.simulator import record_simulation, simulate
+
+        result = simulate(workload, self._config(cell, cell.routing, cell.seed), self.plan.cost)
+        return record_simulation(self.store, result, name, slo, extra_config=config)
+
+    def close(self) -> None:
+        pass
+
+
+class RayBackend:
+    """Cells on a Ray cluster this experiment starts (and stops): the replicas are restarted
+    only when the cell's batching policy, slots or token budget differ from the last cell's."""
+
+    def __init__(self, plan: Plan, store_path: Path, address: str | None):
+        from cluster.deploy import ensure_ray
+
+        self.plan, self.store_path = plan, store_path
+        ensure_ray(address, start_local=False)
+        self.deployment: Deployment | None = None
+        self.deployed: tuple | None = None
+
+    def _deploy(self, cell: Cell) -> Deployment:
+        from cluster.deploy import ClusterSpec, start_cluster
+        from replica.serving import ReplicaConfig
+
+        if self.deployed != cell.deployment:
+            self.close()
+            c = self.plan.experiment.cluster
+            spec = ClusterSpec(
+                num_replicas=c.replicas,
+                routing_policy=cell.routing,
+                replica=ReplicaConfig(engine=self.plan.engine_config(cell), fake_step_seconds=c.fake_step_seconds),
+                num_cpus_per_replica=c.num_cpus,
+                num_gpus_per_replica=c.num_gpus,
+                store_path=str(self.store_path),
+            )
+            self.deployment, self.deployed = start_cluster(spec), cell.deployment
+        return self.deployment
+
+    def capacity(self, cell: Cell) -> float:
+        deployment = self._deploy(cell)
+        ray.get(deployment.router.set_policy.remote(DEFAULT_POLICY))
+        return measure_capacity(deployment)
+
+    def run(self, cell: Cell, workload: Workload, name: str, config: dict, slo: dict) -> int:
+        deployment = self._deploy(cell)
+        ray.get(deployment.router.set_policy.remote(cell.routing))
+        return run_workload(
+            deployment,
+            workload,
+            name=name,
+            config=config,
+            batching_policy=cell.batching,
+            routing_policy=cell.routing,
+            seed=cell.seed,
+            slo=slo,
+            progress=False,
+        )
+
+    def close(self) -> None:
+        """Stop the slotserve actors and wait until their names are free for the next start."""
+        from cluster.deploy import stop_cluster
+
+        if self.deployment is None:
+            return
+        names = set(stop_cluster())
+        self.deployment = self.deployed = None
+        deadline = time.monotonic() + 60
+        while names & {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"slotserve actors did not stop within 60 s: {sorted(names)}")
+            time.sleep(0.2)

@@ -1,0 +1,133 @@
+"""An experiment file's plan: every cell (a point of the sweep: batching, routing, load,
+token budget, slots, seed, workload variant), its engine config and its workload, and the
+cost model a simulated run pays. `plan_experiment` checks the whole file before anything
+starts; nothing here runs a cell."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from replica.config import EngineConfig
+from replica.errors import ConfigError
+from replica.fake_model import CostModel, FlatCostModel
+from replica.policies import POLICIES
+from router.policies import ROUTING_POLICIES
+from sim.cost_model import FittedCostModel
+from workloads.experiment import Experiment, load_experiment
+from workloads.workload import Workload
+
+AXES = (
+    "workload",
+    "batching",
+    "routing",
+    "load",
+    "token_budget",
+    "slots",
+)  # a table row's key: a cell without its seed
+
+
+@dataclass(frozen=True)
+class Cell:
+    batching: str
+    routing: str
+    load: float | None  # x measured capacity; None: the workload's own arrivals
+    token_budget: int | None  # None: the batching policy has no token budget
+    slots: int  # per replica
+    seed: int
+    workload: str = ""  # one of sweep.workload's argument sets, as "k=v k=v" ("": the workload as given)
+
+    @property
+    def deployment(self) -> tuple:
+        """What the replicas are started with: a change restarts them."""
+        return self.batching, self.slots, self.token_budget
+
+    @property
+    def row(self) -> tuple:
+        return tuple(getattr(self, a) for a in AXES)
+
+    @property
+    def label(self) -> str:
+        parts = [self.workload] if self.workload else []
+        parts += [f"{self.batching}/{self.routing}"]
+        parts += [f"{a}={getattr(self, a)}" for a in ("load", "token_budget") if getattr(self, a) is not None]
+        return " ".join(parts + [f"slots={self.slots}", f"seed={self.seed}"])
+
+
+@dataclass
+class Plan:
+    experiment: Experiment
+    cells: list[Cell]
+    cost: CostModel | None = None  # what a simulated step costs; None when not simulating
+    workload_args: dict[str, dict] = field(default_factory=lambda: {"": {}})  # Cell.workload -> its arguments
+
+    def engine_config(self, cell: Cell) -> EngineConfig:
+        c = self.experiment.cluster
+        model = {} if c.model == "fake" else {"model": c.model}
+        return EngineConfig(
+            **c.engine,
+            **model,
+            policy=cell.batching,
+            num_slots=cell.slots,
+            max_seq_len=c.max_seq_len,
+            token_budget=cell.token_budget or c.token_budget,
+            dtype=c.dtype,
+            device="cuda" if c.num_gpus else c.device,
+        )
+
+    def workload(self, cell: Cell, capacity: float) -> Workload:
+        """The cell's workload: its seed, at its load x `capacity` (output tokens/s)."""
+        spec = self.experiment.workload_spec(cell.seed, self.workload_args[cell.workload])
+        if cell.load is None:
+            return spec.build()
+        workload = spec.at_load(cell.load, capacity).build()
+        workload.params.update({"load": cell.load, "capacity_tokens_per_s": capacity})
+        return workload
+
+
+_SET_ELSEWHERE = {"model", "policy", "num_slots", "max_seq_len", "token_budget", "dtype", "device"}
+
+
+def plan_experiment(path: str | Path, seeds: list[int] | None = None, simulate: bool = False) -> Plan:
+    """Everything a run needs, checked: the file, every seed's workload, every cell's engine
+    config, and (simulating) the cost model. `seeds` replaces the file's sweep.seeds. Raises
+    ExperimentError (file:line: key: what is wrong) before anything has started."""
+    experiment = load_experiment(path, batching=POLICIES, routing=ROUTING_POLICIES, seeds=seeds)
+    sweep, c = experiment.sweep, experiment.cluster
+    clash = sorted(_SET_ELSEWHERE & set(c.engine))
+    if clash:
+        raise experiment.error(("cluster", "engine", clash[0]), "set it in [cluster] or [sweep], not in cluster.engine")
+    variants = {" ".join(f"{k}={v}" for k, v in args.items()): args for args in experiment.workload_variants()}
+    cells = []
+    for name, slots, batching in itertools.product(variants, sweep.slots or [c.slots], sweep.batching):
+        budgets = (sweep.token_budget or [c.token_budget]) if POLICIES[batching].reads_token_budget else [None]
+        for budget, routing, load, seed in itertools.product(budgets, sweep.routing, sweep.load or [None], sweep.seeds):
+            cells.append(Cell(batching, routing, load, budget, slots, seed, name))
+    plan = Plan(experiment, cells, workload_args=variants)
+    for cell in {cell.deployment: cell for cell in cells}.values():
+        try:
+            plan.engine_config(cell)
+        except ValidationError as err:
+            raise experiment.invalid(err, ("cluster", "engine")) from None
+    if simulate:
+        plan.cost = _cost_model(experiment)
+    return plan
+
+
+def _cost_model(experiment: Experiment) -> CostModel:
+    c = experiment.cluster
+    if c.cost_model is not None:
+        try:
+            return FittedCostModel.load(experiment.resolve(c.cost_model))
+        except ConfigError as err:
+            raise experiment.error(("cluster", "cost_model"), str(err)) from None
+    if c.model == "fake":
+        return FlatCostModel(c.fake_step_seconds)
+    raise experiment.error(
+        ("cluster", "model"),
+        f"--simulate with model {c.model!r} needs cluster.cost_model "
+        '(a JSON that `slotserve calibrate` writes), or model = "fake"',
+    )

@@ -1,0 +1,80 @@
+"""Run an experiment's plan: every cell once, on the simulator or on a Ray cluster, one run
+in the store each (`experiments.report` turns them into a table and a report)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from experiments.backends import RayBackend, SimulatedBackend
+from experiments.plan import Cell, Plan
+from metrics.store import DEFAULT_STORE, MetricsStore, open_store
+
+
+@dataclass
+class ExperimentResult:
+    plan: Plan
+    simulated: bool
+    store_path: Path
+    runs: list[tuple[Cell, int]] = field(default_factory=list)  # in the order they ran
+    capacities: dict[int, float] = field(default_factory=dict)  # slots per replica -> output tokens/s
+
+
+def run_experiment(
+    plan: Plan,
+    *,
+    simulate: bool,
+    store_path: str | Path = DEFAULT_STORE,
+    address: str | None = None,
+    progress: bool = True,
+) -> ExperimentResult:
+    """Run every cell of `plan` (made by `plan_experiment(..., simulate=simulate)`), one run
+    in the store each. A cell cut short (Ctrl-C, an error) leaves its run ended 'aborted' or
+    'failed', never 'running' or 'complete', and the error goes on up."""
+    experiment = plan.experiment
+    store_path = Path(store_path)
+    store = open_store(store_path)
+    result = ExperimentResult(plan, simulate, store_path)
+    backend = SimulatedBackend(plan, store) if simulate else RayBackend(plan, store_path, address)
+    bar = tqdm(plan.cells, desc=experiment.name, unit="cell", disable=not progress)
+    slo = experiment.slo.model_dump()
+    since = max((r["run_id"] for r in store.runs()), default=0)  # every run this experiment begins is above
+    try:
+        for cell in bar:
+            bar.set_postfix_str(cell.label)
+            if cell.slots not in result.capacities:
+                result.capacities[cell.slots] = backend.capacity(cell)
+            capacity = result.capacities[cell.slots]
+            workload = plan.workload(cell, capacity)
+            name = f"{experiment.name} {cell.label}"
+            config = {
+                "experiment": experiment.name,
+                "experiment_file": str(experiment.path.resolve()),
+                "cell": asdict(cell),
+                "capacity_tokens_per_s": capacity,
+                "cluster": experiment.cluster.model_dump(),
+                "workload": workload.describe(),
+                "workload_params": workload.params,
+                "workload_spec": workload.spec,
+            }
+            try:
+                run_id = backend.run(cell, workload, name, config, slo)
+            except BaseException as err:
+                _end_unfinished(store, name, since, "aborted" if isinstance(err, KeyboardInterrupt) else "failed")
+                raise
+            result.runs.append((cell, run_id))
+    finally:
+        bar.close()
+        backend.close()
+        store.close()
+    return result
+
+
+def _end_unfinished(store: MetricsStore, name: str, since: int, status: str) -> None:
+    """End the run a cell began (named `name` (unique in the experiment), id above `since`)
+    if it is still 'running'."""
+    for run in store.runs():
+        if run["run_id"] > since and run["name"] == name and run["status"] == "running":
+            store.end_run(run["run_id"], status)

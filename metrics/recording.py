@@ -1,0 +1,123 @@
+"""One way to write a run into the metrics store, whatever produced it: the cluster (the driver,
+the replicas and the router push rows as they go, each through the row function here), the
+simulator and an in-process replay (`record_run`, all at once from plain traces). The rows are
+the store's schema (docs/ARCHITECTURE.md); step records and routing decisions are read by
+their field names, so this module imports neither the engine nor the router."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from metrics.definitions import RequestTrace
+
+
+class StepLike(Protocol):
+    """The fields of `replica.engine.StepRecord` a step row is made of."""
+
+    step: int
+    start: float
+    duration: float
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    context_tokens: int
+    live_slots: int
+    useful_rows: int
+    computed_rows: int
+    num_preemptions: int
+    queue_depth: int
+
+
+class DecisionLike(Protocol):
+    """The fields of `router.router.Decision` a decision row is made of."""
+
+    request_id: str
+    replica_id: str
+    time: float
+    policy: str
+    scores: dict[str, float]
+    signal_age: float | None
+    in_flight: dict[str, int]
+
+
+def request_row(trace: RequestTrace) -> dict:
+    """A finished request as a row of the store's `requests` table (its token times go to the
+    `tokens` table). Times may be virtual and start at 0, so a missing one is None, never 0."""
+    planned = trace.arrival if trace.planned_arrival is None else trace.planned_arrival
+    return {
+        "request_id": trace.request_id,
+        "replica_id": trace.replica,
+        "session_id": trace.session_id,
+        "planned_arrival": planned,
+        "arrival": trace.arrival,
+        "submit_lateness": trace.submit_lateness,
+        "first_token": trace.token_times[0] if trace.token_times else None,
+        "completion": trace.finish_time,
+        "prompt_len": trace.prompt_len,
+        "output_len": trace.num_output_tokens,
+        "max_tokens": trace.max_tokens,
+        "finish_reason": trace.finish_reason,
+        "error": trace.error,
+        "token_times": trace.token_times,
+        "num_preemptions": trace.num_preemptions,
+    }
+
+
+def step_row(replica_id: str, record: StepLike, num_slots: int) -> dict:
+    """An engine step as a row of the store's `steps` table."""
+    return {
+        "replica_id": replica_id,
+        "step": record.step,
+        "time": record.start,
+        "duration": record.duration,
+        "live_slots": record.live_slots,
+        "num_slots": num_slots,
+        "queue_depth": record.queue_depth,
+        "decode_tokens": record.num_decode_tokens,
+        "prefill_tokens": record.num_prefill_tokens,
+        "context_tokens": record.context_tokens,
+        "useful_rows": record.useful_rows,
+        "computed_rows": record.computed_rows,
+        "preemptions": record.num_preemptions,
+    }
+
+
+def decision_row(decision: DecisionLike) -> dict:
+    """A routing decision as a row of the store's `decisions` table: dicts as JSON strings, an
+    infinite score (a replica power_of_two did not sample) as null."""
+    scores = {k: v if math.isfinite(v) else None for k, v in decision.scores.items()}
+    return {
+        "request_id": decision.request_id,
+        "time": decision.time,
+        "policy": decision.policy,
+        "replica_id": decision.replica_id,
+        "scores": json.dumps(scores),
+        "signal_age": decision.signal_age,
+        "in_flight": json.dumps(decision.in_flight),
+    }
+
+
+def record_run(
+    store,
+    *,
+    name: str,
+    config: dict[str, Any],
+    batching_policy: str,
+    routing_policy: str,
+    seed: int,
+    traces: Iterable[RequestTrace],
+    steps: Iterable[tuple[str, int, StepLike]] = (),
+    decisions: Iterable[DecisionLike] = (),
+    slo: dict | None = None,
+    simulated: bool = False,
+) -> int:
+    """Write a whole run (config, requests with their token times, steps as (replica id, slots,
+    record), decisions) into `store` and mark it complete; returns its run id."""
+    run_id = store.begin_run(name, config, batching_policy, routing_policy, seed, slo, simulated=simulated)
+    store.add_requests(run_id, [request_row(t) for t in traces])
+    store.add_steps(run_id, [step_row(replica_id, record, num_slots) for replica_id, num_slots, record in steps])
+    store.add_decisions(run_id, [decision_row(d) for d in decisions])
+    store.end_run(run_id, "complete")
+    return run_id

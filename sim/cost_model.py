@@ -1,0 +1,164 @@
+"""The calibrated cost model of the simulator: a step's time as a linear function of its work
+(decode and prefill tokens, attended context, padding rows), fitted by non-negative least
+squares to step times the real engine measured (`slotserve calibrate`, or recorded runs)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from replica.errors import ConfigError
+from replica.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """What a step's time is modelled from, read off its SchedulerOutput:
+
+    - decode_tokens, prefill_tokens: rows through the weight matrices (every row costs the
+      same there, but a CPU runs small decode batches far from its FLOP roof, so the two
+      kinds get separate coefficients);
+    - context_tokens: keys attended, summed over the step's rows (SchedulerOutput.context_tokens);
+    - padding_rows: finished requests a static batch still computes (one row each, which
+      also attends its whole context)."""
+
+    decode_tokens: int
+    prefill_tokens: int
+    context_tokens: int
+    padding_rows: int
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> StepFeatures:
+        return cls(out.num_decode_tokens, out.num_prefill_tokens, out.context_tokens, len(out.held_rows))
+
+    @classmethod
+    def of_row(cls, row: dict) -> StepFeatures:
+        """The features of a recorded step (a `steps` row of the metrics store): how a cost
+        model is fitted to real runs."""
+        return cls(
+            row["decode_tokens"],
+            row["prefill_tokens"],
+            row["context_tokens"],
+            row["computed_rows"] - row["useful_rows"],
+        )
+
+
+FEATURES = ("decode_tokens", "prefill_tokens", "context_tokens", "padding_rows")
+
+
+class FitQuality(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    r2: float = Field(description="coefficient of determination on the held-out samples")
+    median_rel_error: float = Field(description="median |predicted - measured| / measured on the held-out samples")
+    num_fit: int = Field(description="samples the coefficients were fitted on")
+    num_heldout: int = Field(description="samples the quality was measured on (not fitted)")
+
+
+class FittedCostModel(BaseModel):
+    """step_time = c0 + c_decode * decode_tokens + c_prefill * prefill_tokens
+    + c_ctx * context_tokens + c_held * padding_rows (seconds; see StepFeatures), every
+    coefficient non-negative so no step is predicted to get cheaper by doing more. Saved as
+    JSON with the machine it was measured on and how well it fits, since a cost model means
+    nothing apart from both."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    c0: float = Field(ge=0, description="seconds per step, whatever it runs")
+    c_decode: float = Field(ge=0, description="seconds per decode token")
+    c_prefill: float = Field(ge=0, description="seconds per prefill token")
+    c_ctx: float = Field(ge=0, description="seconds per attended context token")
+    c_held: float = Field(ge=0, description="seconds per padding row of a static batch")
+    machine: dict[str, Any] = Field(default_factory=dict, description="cpu, cores, torch, threads, model, dtype, ...")
+    quality: FitQuality | None = None
+
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        return self.c0, self.c_decode, self.c_prefill, self.c_ctx, self.c_held
+
+    def predict(self, f: StepFeatures) -> float:
+        return (
+            self.c0
+            + self.c_decode * f.decode_tokens
+            + self.c_prefill * f.prefill_tokens
+            + self.c_ctx * f.context_tokens
+            + self.c_held * f.padding_rows
+        )
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        return self.predict(StepFeatures.of(out))
+
+    @classmethod
+    def fit(
+        cls,
+        samples: Sequence[tuple[StepFeatures, float]],
+        machine: dict[str, Any] | None = None,
+        heldout_every: int = 5,
+    ) -> FittedCostModel:
+        """Non-negative least squares on (features, measured seconds) samples; every
+        `heldout_every`-th sample is kept out of the fit and used to measure its quality."""
+        if heldout_every < 2:
+            raise ConfigError(f"heldout_every must be >= 2 (every k-th sample held out), got {heldout_every}")
+        held = [s for i, s in enumerate(samples) if i % heldout_every == heldout_every - 1]
+        train = [s for i, s in enumerate(samples) if i % heldout_every != heldout_every - 1]
+        if len(train) < 2 * (len(FEATURES) + 1) or not held:
+            raise ConfigError(
+                f"need at least {2 * (len(FEATURES) + 1) + 2} samples to fit a cost model, got {len(samples)}"
+            )
+        x, y = _design(train)
+        model = cls(
+            **dict(zip(("c0", "c_decode", "c_prefill", "c_ctx", "c_held"), _nnls(x, y).tolist())), machine=machine or {}
+        )
+        xh, yh = _design(held)
+        pred = xh @ np.array(model.coefficients)
+        total = float(((yh - yh.mean()) ** 2).sum())
+        r2 = 1.0 - float(((yh - pred) ** 2).sum()) / total if total > 0 else float("nan")
+        rel = float(np.median(np.abs(pred - yh) / np.maximum(yh, 1e-12)))
+        return model.model_copy(
+            update={"quality": FitQuality(r2=r2, median_rel_error=rel, num_fit=len(train), num_heldout=len(held))}
+        )
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.model_dump_json(indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> FittedCostModel:
+        path = Path(path)
+        try:
+            return cls.model_validate_json(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"no cost model at {path} (make one with `slotserve calibrate --out {path}`)") from None
+        except (ValidationError, json.JSONDecodeError) as err:
+            raise ConfigError(f"{path} is not a slotserve cost model: {err}") from None
+
+
+def _design(samples: Sequence[tuple[StepFeatures, float]]) -> tuple[np.ndarray, np.ndarray]:
+    """The design matrix (a column of ones for c0, then the features) and the targets."""
+    x = np.array([(1, *astuple(f)) for f, _ in samples], dtype=float)
+    return x, np.array([t for _, t in samples], dtype=float)
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients >= 0 (no scipy here): solve on the active columns and
+    drop the most negative coefficient until none is negative. Columns are scaled to unit
+    norm first, since context tokens run to 1e5 while the intercept column is ones."""
+    scale = np.linalg.norm(x, axis=0)
+    scale[scale == 0] = 1.0
+    xs = x / scale
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol = np.linalg.lstsq(xs[:, active], y, rcond=None)[0]
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        del active[int(np.argmin(sol))]
+    return coef / scale
