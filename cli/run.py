@@ -13,7 +13,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from cluster.deploy import ensure_ray, find_cluster, start_cluster, stop_cluster
-    from experiments.run import routing_experiment
+    from experiments.backends import routing_experiment
 
     ensure_ray(args.address, start_local=False)
     owned = not common.running_cluster(args.address)

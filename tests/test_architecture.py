@@ -181,3 +181,24 @@ def test_the_rules_catch_a_forbidden_edge(tmp_path):
     path = tmp_path / "m.py"
     path.write_text("def f():\n    import ray\n    from replica.engine import Engine\n")
     assert [(m, n) for m, n, _ in imports_of(path)] == [("ray", []), ("replica.engine", ["Engine"])]
+
+
+def test_every_name_imported_from_a_project_module_exists():
+    """Lazy imports inside functions run only on their path (a CLI command, a benchmark), so a
+    module moved or a name renamed would break them silently: each `from ours import name`
+    must name an attribute or a submodule that exists."""
+    import importlib
+
+    missing = []
+    for path in source_files():
+        for target, names, line in imports_of(path):
+            if package(target) not in PACKAGES:
+                continue
+            module = importlib.import_module(target)
+            is_package = hasattr(module, "__path__")
+            missing += [
+                f"{path.relative_to(ROOT)}:{line}: {target}.{n}"
+                for n in names
+                if not hasattr(module, n) and not (is_package and importlib.util.find_spec(f"{target}.{n}"))
+            ]
+    assert not missing, "imports of names that do not exist:\n" + "\n".join(missing)
