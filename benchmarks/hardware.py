@@ -27,7 +27,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from peers.roofline import bandwidth, matmul_flops
 from replica.config import EngineConfig
+from replica.cpu import cpu_info
 from replica.engine import Engine
 from replica.model_runner import ModelRunner
 
@@ -40,15 +42,14 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise
 
 def this_machine() -> dict:
     """CPU model, vector extensions, cores, threads, memory: what the numbers belong to."""
-    info = Path("/proc/cpuinfo").read_text()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "unknown")
-    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
+    info = cpu_info()
     mem_kb = next(
         int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")
     )
     return {
-        "cpu": cpu,
-        "isa": " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags),
+        "cpu": info.model,
+        "isa": info.shown_flags,
+        "fast_bf16": info.fast_bf16,
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "mem_gib": mem_kb / 2**20,
@@ -69,42 +70,6 @@ def others_share(before: tuple, after: tuple) -> float:
     average cannot tell: this script's own threads count in it)."""
     busy, own, wall = (a - b for a, b in zip(after, before))
     return max(0.0, busy - own) / (wall * os.cpu_count())
-
-
-def timed(fn, warmup: int, reps: int) -> list[float]:
-    """Seconds per call of fn, after warmup calls (first calls pay for allocation and caches)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return times
-
-
-def matmul_flops(dtype: torch.dtype, n_max: int, reps: int) -> tuple[float, float, int]:
-    """(best, median) FLOP/s of an n x n matrix product (2 n^3 FLOPs), and n. Without native
-    bf16 instructions (AVX-512 BF16, AMX) torch takes a slow path, so n is cut (down to 256)
-    until one product is expected to take under half a second."""
-    small = torch.ones(256, 256, dtype=dtype)
-    probe, n = min(timed(lambda: small @ small, 1, 3)), n_max
-    while n > 256 and probe * (n / 256) ** 3 > 0.5:
-        n //= 2
-    a, b, c = (torch.randn(n, n).to(dtype) for _ in range(3))
-    times = timed(lambda: torch.matmul(a, b, out=c), 2, reps)
-    return 2 * n**3 / min(times), 2 * n**3 / statistics.median(times), n
-
-
-def bandwidth(nbytes: int, reps: int) -> dict[str, float]:
-    """Best bytes/s of copying a tensor far larger than the caches (read + write bytes
-    counted) and of summing it (read only, like a decode step streaming the weights)."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    return {
-        "copy": 2 * nbytes / min(timed(lambda: dst.copy_(src), 2, reps)),
-        "read": nbytes / min(timed(lambda: src.sum(), 2, reps)),
-    }
 
 
 def decode_sweep_point(runner: ModelRunner, batch: int, max_tokens: int, profile_steps: int) -> dict:
@@ -160,66 +125,127 @@ def _with(switch, step):
     return lambda: (switch(), step())
 
 
+def _decode_engine(runner: ModelRunner, batch: int, steps: int, scattered: bool = False) -> Engine:
+    """An engine on `runner` with `batch` requests decoding (prefilled already); `scattered`: they
+    hold slots spread over the runner's whole cache, as the last requests of a big batch do."""
+    slots = runner.cache.num_slots if scattered else batch
+    engine = Engine(EngineConfig(policy="mixed", num_slots=slots, max_seq_len=256), runner=runner)
+    ids = [
+        engine.add_request(
+            [100 + (7 * i + j) % 5000 for j in range(PROMPT_LEN)], {"max_tokens": steps, "ignore_eos": True}
+        )
+        for i in range(slots)
+    ]
+    engine.step()
+    for rid in set(ids) - set(ids[:: slots // batch][:batch]):
+        engine.abort(rid)
+    return engine
+
+
+def _drain(engine: Engine) -> None:
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    while engine.has_unfinished:
+        engine.step()
+
+
 def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
     """What each optimisation of the forward pass buys, each measured against its absence in
-    one run: prepacked oneDNN matrices (decode steps of the real engine), fused QKV and
-    gate/up projections, one batched attention call against a loop over sequences, and
-    torch's thread count."""
+    one run, in turns: bf16 against fp32 weights (where the CPU has bf16 units), prepacked oneDNN
+    matrices, weight-only int8 in the batch-1 and batch-2 tail, attention over only the slots a
+    scattered decode group holds, torch's thread count (decode steps of the real engine), fused
+    QKV and gate/up projections, one batched attention call against a loop over sequences."""
+    import replica.attention as attention
     from replica.attention import AttentionMetadata, build_group, slot_attention
     from replica.linear import Linear
     from replica.model import Decoder
     from replica.model_loader import load_hf_model
 
-    rows = []
-    plain = Decoder.from_hf(load_hf_model(MODEL)[0], torch.float32, "cpu", pack_weights=False)
-    packed = runner.model
-    for batch in (8, 64):
-        engine = Engine(EngineConfig(policy="mixed", num_slots=batch, max_seq_len=256), runner=runner)
-        for i in range(batch):
-            engine.add_request(
-                [100 + (7 * i + j) % 5000 for j in range(PROMPT_LEN)], {"max_tokens": 4 * reps + 10, "ignore_eos": True}
+    rows, steps = [], 4 * reps + 10
+    hf, dtype = load_hf_model(MODEL)[0], runner.model.dtype
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    if dtype == torch.bfloat16:
+        fp32 = ModelRunner(EngineConfig(model=MODEL, dtype="float32", num_slots=64, max_seq_len=256))
+        for batch in (1, 8, 64):
+            a, b = _decode_engine(fp32, batch, steps), _decode_engine(runner, batch, steps)
+            t = in_turns({"fp32": a.step, "bf16": b.step}, reps)
+            rows.append(
+                {
+                    "what": f"bf16 weights instead of fp32 (decode step, B={batch})",
+                    "without": t["fp32"],
+                    "with": t["bf16"],
+                }
             )
-        engine.step()
+            _drain(a), _drain(b)
+        del fp32
+    plain = Decoder.from_hf(hf, dtype, "cpu", pack_weights=False)
+    int8 = Decoder.from_hf(hf, dtype, "cpu", int8_rows=64)
+    packed = runner.model
+    use = lambda model: lambda: setattr(runner, "model", model)
+    for batch in (1, 8, 64):
+        engine = _decode_engine(runner, batch, steps)
+        t = in_turns({"plain": _with(use(plain), engine.step), "packed": _with(use(packed), engine.step)}, reps)
+        rows.append(
+            {
+                "what": f"prepacked oneDNN {name} matrices (decode step, B={batch})",
+                "without": t["plain"],
+                "with": t["packed"],
+            }
+        )
+        if batch == 64 and (threads := torch.get_num_threads()) > 1:
+            t = in_turns(
+                {
+                    "1": _with(lambda: torch.set_num_threads(1), engine.step),
+                    "n": _with(lambda: torch.set_num_threads(threads), engine.step),
+                },
+                reps,
+            )
+            rows.append(
+                {"what": f"{threads} torch threads instead of 1 (decode step, B=64)", "without": t["1"], "with": t["n"]}
+            )
+            torch.set_num_threads(threads)
+        runner.model = packed
+        _drain(engine)
+    for batch in (1, 2, 4):
+        engine = _decode_engine(runner, batch, steps)
+        t = in_turns({"dense": _with(use(packed), engine.step), "int8": _with(use(int8), engine.step)}, reps)
+        rows.append(
+            {"what": f"weight-only int8 copies (decode step, B={batch})", "without": t["dense"], "with": t["int8"]}
+        )
+        runner.model = packed
+        _drain(engine)
+    spread = attention.GATHER_SPREAD
+    for batch in (4, 16):
+        engine = _decode_engine(runner, batch, steps, scattered=True)
         t = in_turns(
             {
-                "plain": _with(lambda: setattr(runner, "model", plain), engine.step),
-                "packed": _with(lambda: setattr(runner, "model", packed), engine.step),
+                "range": _with(lambda: setattr(attention, "GATHER_SPREAD", 10**9), engine.step),
+                "gather": _with(lambda: setattr(attention, "GATHER_SPREAD", spread), engine.step),
             },
             reps,
         )
         rows.append(
-            {"what": f"prepacked oneDNN matrices (decode step, B={batch})", "without": t["plain"], "with": t["packed"]}
+            {
+                "what": f"attention over the held slots only, not their range (decode step, B={batch} in 64 slots)",
+                "without": t["range"],
+                "with": t["gather"],
+            }
         )
-        if batch == 64:
-            threads = torch.get_num_threads()
-            if threads > 1:
-                t = in_turns(
-                    {
-                        "1": _with(lambda: torch.set_num_threads(1), engine.step),
-                        "n": _with(lambda: torch.set_num_threads(threads), engine.step),
-                    },
-                    reps,
-                )
-                rows.append(
-                    {
-                        "what": f"{threads} torch threads instead of 1 (decode step, B=64)",
-                        "without": t["1"],
-                        "with": t["n"],
-                    }
-                )
-            torch.set_num_threads(threads)
-        runner.model = packed
-        while engine.has_unfinished:
-            engine.step()
+        attention.GATHER_SPREAD = spread
+        _drain(engine)
     s = runner.model.shape
     x = torch.randn(64, s.hidden_size)
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    for name, outs in (("QKV", (q, kv, kv)), ("gate/up", (s.intermediate_size, s.intermediate_size))):
+    for what, outs in (("QKV", (q, kv, kv)), ("gate/up", (s.intermediate_size, s.intermediate_size))):
         parts = [Linear(torch.randn(n, s.hidden_size)) for n in outs]
         fused = Linear(torch.randn(sum(outs), s.hidden_size))
         t = in_turns({"separate": lambda: [p(x) for p in parts], "fused": lambda: fused(x)}, reps * 4)
         rows.append(
-            {"what": f"fused {name} projection (one layer, 64 rows)", "without": t["separate"], "with": t["fused"]}
+            {
+                "what": f"fused {what} projection (one layer, 64 rows, fp32)",
+                "without": t["separate"],
+                "with": t["fused"],
+            }
         )
     # Attention at B=64, context 100: one SDPA call over the padded slot range, or one per sequence.
     kc, vc = (torch.randn(64, s.num_kv_heads, 256, s.head_dim) for _ in range(2))
@@ -260,6 +286,7 @@ def knee(rows: list[dict]) -> tuple[int, int | None]:
 def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], args, load: float, others: float) -> str:
     """HARDWARE.md as markdown."""
     fp32, bf16, bw = hw["fp32"], hw["bf16"], hw["bw"]
+    dt, nb, peak = pred["dt"], pred["nb"], pred["peak"]
     k, after = knee(rows)
     close = [r["batch"] for p, r in zip(rows[1:], rows[2:]) if abs(r["tps"] / p["tps"] - 1.5) < 0.15]
     pf_tokens, pf_time = rows[-1]["prefill"]
@@ -268,11 +295,15 @@ def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], ar
         "# Hardware: what this machine allows, and what slotserve gets",
         "",
         f"Written by `benchmarks/hardware.py`{' --quick' if args.quick else ''}. Rerun: "
-        "`.venv/bin/python benchmarks/hardware.py [--out HARDWARE.md] [--quick] [--threads N]` (~2 minutes).",
+        "`.venv/bin/python benchmarks/hardware.py [--out HARDWARE.md] [--quick] [--threads N]` (~5 minutes).",
         f"Before the run the 1-minute load average was {load:.2f}; during it other processes kept {others:.0%} "
         "of the cores busy" + (" (**disturbed: numbers may be low**)." if others > 0.05 else "."),
         "",
         "## This machine",
+        "",
+        "Every figure on this page belongs to the CPU named here. Machines of this kind differ (AVX2-only EPYCs "
+        "and AVX-512 ones with AVX512_BF16 both occur); on another one, rerun this script. `slotserve bench` "
+        "does not read this page: it probes the roofs of the machine it runs on.",
         "",
         f"- CPU: {m['cpu']}; vector extensions: {m['isa']}",
         f"- cores: {m['cores']} (`os.cpu_count()`); torch threads: {m['threads']} (`torch.get_num_threads()`)",
@@ -292,20 +323,21 @@ def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], ar
         ),
         f"- memory, {args.mib} MiB: copy **{bw['copy'] / 1e9:.1f} GB/s** (read + write bytes counted), "
         f"read-only (sum) {bw['read'] / 1e9:.1f} GB/s",
-        f"- ridge point = fp32 FLOP/s / copy bytes/s = **{pred['ridge']:.1f} FLOP/byte**: work doing fewer FLOPs "
+        f"- ridge point = {dt} FLOP/s / copy bytes/s = **{pred['ridge']:.1f} FLOP/byte**: work doing fewer FLOPs "
         "per byte it moves is memory-bound",
         "",
-        "## What they predict for the default model (SmolLM2-135M-Instruct, fp32)",
+        f"## What they predict for the default model (SmolLM2-135M-Instruct, {dt}: the dtype `auto` picks here)",
         "",
         f"- weights per token P = {pred['P'] / 1e6:.1f} M (all matrix products, "
-        f"incl. the {pred['lm_head'] / 1e6:.1f} M lm_head); weight bytes 4P = {4 * pred['P'] / 1e6:.0f} MB",
+        f"incl. the {pred['lm_head'] / 1e6:.1f} M lm_head); weight bytes {nb}P = {nb * pred['P'] / 1e6:.0f} MB",
         f"- FLOPs per token 2P = {2 * pred['P'] / 1e6:.0f} MFLOP (attention adds {pred['attn_flops'] / 1e6:.1f} "
         f"MFLOP at context {pred['ctx']}: ignored)",
-        "- a decode step at batch B does 2PB FLOP while reading 4P bytes of weights: intensity **B/2 FLOP/byte**, so "
-        f"it turns compute-bound at B = 2 x ridge = **{2 * pred['ridge']:.0f}**",
-        f"- best decode rate: compute roof fp32 FLOP/s / 2P = **{pred['compute_tps']:.0f} tokens/s** (any batch); "
-        f"at batch 1 the memory roof copy bandwidth / 4P = **{pred['mem_tps']:.0f} tokens/s** "
-        f"({4e3 * pred['P'] / bw['copy']:.0f} ms per step)",
+        f"- a decode step at batch B does 2PB FLOP while reading {nb}P bytes of weights: intensity "
+        f"**{2 / nb:g}B FLOP/byte**, so "
+        f"it turns compute-bound at B = ridge x {nb / 2:g} = **{pred['ridge'] * nb / 2:.0f}**",
+        f"- best decode rate: compute roof {dt} FLOP/s / 2P = **{pred['compute_tps']:.0f} tokens/s** (any batch); "
+        f"at batch 1 the memory roof copy bandwidth / {nb}P = **{pred['mem_tps']:.0f} tokens/s** "
+        f"({nb * 1e3 * pred['P'] / bw['copy']:.1f} ms per step)",
         f"- the K/V cache adds {pred['kv_per_token'] / 1e3:.0f} KB read per sequence per token of context "
         f"({64 * pred['ctx'] * pred['kv_per_token'] / 1e6:.0f} MB per step at B=64, context {pred['ctx']})",
         "",
@@ -317,20 +349,20 @@ def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], ar
         f"{PROMPT_LEN + args.max_tokens - 1}). A step's time is the engine's own record: scheduling, the forward "
         "pass and sampling.",
         "",
-        "| B | step ms | spread | tokens/s | x prev | GFLOP/s | % fp32 peak | roofline ms | % of roofline |",
+        f"| B | step ms | spread | tokens/s | x prev | GFLOP/s | % {dt} peak | roofline ms | % of roofline |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for prev, r in zip([None] + rows, rows):
         lines.append(
             f"| {r['batch']} | {r['step'] * 1e3:.1f} | {r['spread']:.0%} | {r['tps']:.0f} | "
             + (f"{r['tps'] / prev['tps']:.2f}" if prev else "-")
-            + f" | {r['flops'] / 1e9:.1f} | {r['flops'] / fp32[0]:.0%} | {r['roof'] * 1e3:.1f} | "
+            + f" | {r['flops'] / 1e9:.1f} | {r['flops'] / peak[0]:.0%} | {r['roof'] * 1e3:.1f} | "
             f"{r['roof'] / r['step']:.0%} |"
         )
     lines += [
         "",
         "spread = interquartile range / median of the decode steps. GFLOP/s counts 2P per token. roofline ms = "
-        "max(2PB / fp32 FLOP/s, (4P + K/V bytes) / copy bandwidth), the fastest the step could be.",
+        f"max(2PB / {dt} FLOP/s, ({nb}P + K/V bytes) / copy bandwidth), the fastest the step could be.",
         "",
         f"**Knee: B = {k}.** Definition: counting from B=2, the largest B up to which every doubling of B still gained "
         "at least 1.5x tokens/s (nearly linear growth)"
@@ -352,7 +384,8 @@ def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], ar
         "## Per-sequence loops",
         "",
         "`replica/attention.py` runs attention per group (one for single-token rows, one for multi-token prefill "
-        "chunks), each group one `scaled_dot_product_attention` call over a padded slot range: no per-sequence "
+        "chunks), each group one `scaled_dot_product_attention` call up to the group's longest live position "
+        "(over the slot range, or, where the group's slots are scattered, over those slots only): no per-sequence "
         "Python loop remains in the forward pass. Where a decode step's time goes (torch.profiler, self CPU time):",
         "",
     ]
@@ -363,7 +396,7 @@ def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], ar
             lines.append(
                 f"- B={r['batch']}: matrix products (`mm`, `addmm`, `bmm`, `_linear_pointwise`) "
                 f"{r['mm_share']:.0%}, in which the "
-                f"weights stream at {4 * pred['P'] / mm_s / 1e9:.1f} GB/s and the arithmetic runs at "
+                f"weights stream at {nb * pred['P'] / mm_s / 1e9:.1f} GB/s and the arithmetic runs at "
                 f"{2 * pred['P'] * r['batch'] / mm_s / 1e9:.0f} GFLOP/s; top ops, ms per step: {ops}"
             )
     lines += [
@@ -371,7 +404,11 @@ def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], ar
         "## What each optimisation bought",
         "",
         "Each measured against its absence in the same run, in turns (median of several; `optimisations()` in "
-        "`benchmarks/hardware.py`). Kept: all of these.",
+        '`benchmarks/hardware.py`). In the default engine: bf16 weights where `dtype="auto"` picks them (a '
+        "CPU with AVX512_BF16 or AMX), prepacked matrices, attention over held slots only, fused projections, "
+        "batched attention, all threads. Weight-only int8 is opt-in (`EngineConfig(int8_rows=N)`, "
+        "`slotserve bench --int8-rows N`): it changes outputs (the bench reports its greedy agreement) and "
+        "pays only where a step reads its weights for one or two rows.",
         "",
         "| optimisation | without ms | with ms | speedup |",
         "|---|---:|---:|---:|",
@@ -382,10 +419,13 @@ def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], ar
     ]
     lines += [
         "",
-        "Not kept or not tried: bf16 (no AVX-512 BF16 or AMX here, see the roofs above; oneDNN refuses to pack "
-        "bf16 weights without them); `torch.compile` of the step (not measured: every step has a different "
-        "number of rows and context lengths, so it would recompile or run with dynamic shapes, and compiling "
-        "on two cores takes minutes; the prepacked oneDNN matrices are what its CPU freezing pass would pick).",
+        ("bf16: no AVX-512 BF16 or AMX here (see the roofs above), so `auto` keeps fp32. " if no_bf16 else "")
+        + "Not kept: `torch.compile` of the decode step. One layer's block compiled once with dynamic rows and "
+        "the prepacked weights as inputs (so 30 layers share a graph) fails: inductor's oneDNN linear lowering "
+        "asserts the packed weight is a frozen constant (torch 2.13). Freezing the whole forward instead makes "
+        "the weights constants but needs one graph per batch bucket and a bucketed context length, each "
+        "compiled by inductor on two cores in minutes (vLLM's CPU engine takes 3 minutes to start here for "
+        "this); not attempted. Not tried: thread pinning (torch's OpenMP threads already run one per core).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -422,8 +462,11 @@ def main() -> None:
         f"copy {hw['bw']['copy'] / 1e9:.1f} GB/s, read {hw['bw']['read'] / 1e9:.1f} GB/s"
     )
 
-    runner = ModelRunner(EngineConfig(model=MODEL, num_slots=max(BATCHES), max_seq_len=256))
+    runner = ModelRunner(EngineConfig(model=MODEL, num_slots=max(BATCHES), max_seq_len=256))  # dtype "auto"
     s, P = runner.model.shape, runner.model.shape.num_params_per_token
+    dt, nb = ("bf16", 2) if runner.dtype == "bfloat16" else ("fp32", 4)
+    peak = hw[dt]
+    print(f"dtype auto -> {runner.dtype}")
     ctx = PROMPT_LEN + args.max_tokens // 2
     pred = {
         "P": P,
@@ -431,9 +474,12 @@ def main() -> None:
         "ctx": ctx,
         "kv_per_token": runner.cache.bytes_per_token,
         "attn_flops": 4 * s.num_layers * s.num_heads * s.head_dim * ctx,
-        "ridge": hw["fp32"][0] / hw["bw"]["copy"],
-        "compute_tps": hw["fp32"][0] / (2 * P),
-        "mem_tps": hw["bw"]["copy"] / (4 * P),
+        "dt": dt,
+        "nb": nb,
+        "peak": peak,
+        "ridge": peak[0] / hw["bw"]["copy"],
+        "compute_tps": peak[0] / (2 * P),
+        "mem_tps": hw["bw"]["copy"] / (nb * P),
     }
     print(
         f"P = {P / 1e6:.1f} M weights per token; ridge {pred['ridge']:.1f} FLOP/byte, so decode is compute-bound "
@@ -445,7 +491,7 @@ def main() -> None:
     for batch in BATCHES:
         r = decode_sweep_point(runner, batch, args.max_tokens, profile_steps if batch in PROFILED else 0)
         r["tps"], r["flops"] = batch / r["step"], 2 * P * batch / r["step"]
-        r["roof"] = max(2 * P * batch / hw["fp32"][0], (4 * P + batch * ctx * pred["kv_per_token"]) / hw["bw"]["copy"])
+        r["roof"] = max(2 * P * batch / peak[0], (nb * P + batch * ctx * pred["kv_per_token"]) / hw["bw"]["copy"])
         rows.append(r)
         print(
             f"B={batch:3d}: {r['step'] * 1e3:7.1f} ms/step (spread {r['spread']:.0%}), {r['tps']:5.0f} tok/s, "

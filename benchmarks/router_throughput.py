@@ -147,7 +147,7 @@ def actor_rates(policy: str, replicas: int, batch_size: int, batches: int, seria
         }
         ray.get(router.flush.remote())
         status = ray.get(router.status.remote())
-        if status["store_errors"] or any(r["in_flight"] for r in status["replicas"].values()):
+        if status["decisions_lost"] or any(r["in_flight"] for r in status["replicas"].values()):
             raise RuntimeError(f"the run was not clean, figures are void: {status}")
         results["no-op actor"] = measure_calls(NoopRouter.remote(), batch_size, batches, serial)
         results["no-op async actor"] = measure_calls(AsyncNoopRouter.remote(), batch_size, batches, serial)

@@ -47,7 +47,7 @@ def replay_all(args: argparse.Namespace, store_path: Path, slo: SLO) -> tuple[li
     )
     deployment = start_cluster(spec)
     try:
-        capacity = measure_capacity(deployment)  # output tokens/s, every slot of every replica decoding
+        capacity = measure_capacity(deployment)  # every slot of every replica decoding, and prefilling
         workload = at_load(
             "bursty-mix",
             args.requests,
@@ -60,17 +60,17 @@ def replay_all(args: argparse.Namespace, store_path: Path, slo: SLO) -> tuple[li
         base_rate = workload.params["rate"]
         span = max(r.arrival for r in workload.requests)
         info = {
-            "capacity": capacity,
+            "capacity": capacity.decode_tokens_per_s,
             "base_rate": base_rate,
             "workload": workload.describe(),
-            "offered": sum(workload.output_lens) / span / capacity,
+            "offered": sum(capacity.work_seconds(r.prompt_len, r.output_len) for r in workload.requests) / span,
         }
         config = {
             **spec.model_dump(),
             "workload": workload.describe(),
             "workload_params": workload.params,
             "load": args.load,
-            "capacity_tokens_per_s": capacity,
+            **capacity.as_params(),
             "rate_requests_per_s": base_rate,
         }
         run_ids = []

@@ -1,4 +1,4 @@
-"""`slotserve bench`: the engine against its peers on this machine."""
+"""`slotserve bench`: the engine against its peers (vLLM's CPU engine, transformers) on this machine."""
 
 from __future__ import annotations
 
@@ -11,20 +11,27 @@ from replica.model_loader import DEFAULT_MODEL
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     b = subparsers.add_parser(
         "bench",
-        help="slotserve's engine against transformers on this machine",
+        help="slotserve's engine against vLLM and transformers on this machine",
         description=engine_speed.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     b.add_argument("--model", default=DEFAULT_MODEL, help=f"model (default {DEFAULT_MODEL})")
     b.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
     b.add_argument(
-        "--dtype",
-        default="float32",
+        "--dtypes",
+        nargs="+",
         choices=["float32", "bfloat16"],
-        help="dtype of every row but the bf16-vs-fp32 pair (default float32)",
+        help="slotserve's dtypes (default: float32, and bfloat16 on a GPU or a CPU with AVX512_BF16 or AMX)",
+    )
+    b.add_argument(
+        "--int8-rows",
+        type=int,
+        default=1,
+        metavar="N",
+        help="also run bf16 with weight-only int8 for steps of at most N rows (default 1; 0: not run)",
     )
     b.add_argument("--requests", type=int, default=48, help="saturated requests (default 48, the standard workload)")
-    b.add_argument("--slots", type=int, nargs="+", default=[8, 16, 32, 64], help="slot counts (default 8 16 32 64)")
+    b.add_argument("--slots", type=int, nargs="+", default=[16, 32, 64], help="slot counts (default 16 32 64)")
     b.add_argument("--policies", nargs="+", default=["continuous", "chunked"], help="slotserve batching policies")
     b.add_argument(
         "--decode-batches",
@@ -36,10 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument(
         "--no-peers", dest="peers", action="store_false", help="skip transformers' generate() and continuous batching"
     )
-    b.add_argument("--no-bf16", dest="bf16", action="store_false", help="skip the bf16 comparison")
-    b.add_argument("--bf16-requests", type=int, default=16, help="requests of the bf16 comparison (default 16)")
-    b.add_argument("--hardware", default="HARDWARE.md", help="where to read the compute roofline (default HARDWARE.md)")
-    b.add_argument("--roofline", type=float, help="compute roofline in tokens/s (overrides --hardware)")
+    b.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip vLLM's CPU engine (made by `make peers`)")
     b.add_argument("--json", metavar="PATH", help="write the rows and ratios as JSON")
     b.set_defaults(func=run)
 

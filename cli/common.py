@@ -15,7 +15,12 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         default="smollm2-135m",
         help="built-in model (smollm2-135m, gpt2-small-random) or a local Hugging Face directory",
     )
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="auto (default): bfloat16 on a GPU or a CPU with AVX512_BF16/AMX, else float32",
+    )
     p.add_argument("--device", default="auto", help='"auto" takes cuda when present')
     p.add_argument("--slots", type=int, default=8, help="K/V cache slots = most requests running at once")
 
@@ -69,12 +74,13 @@ def cluster_spec(args: argparse.Namespace):
     )
     return ClusterSpec(
         num_replicas=args.replicas,
-        replica=ReplicaConfig(engine=engine, fake_step_seconds=args.fake_step),
+        replica=ReplicaConfig(engine=engine, fake_step_seconds=args.fake_step, max_queue=args.max_queue),
         routing_policy=args.routing[0],
         num_cpus_per_replica=args.num_cpus,
         num_gpus_per_replica=args.num_gpus,
         store_path=str(args.store),
         seed=args.seed,
+        max_in_flight_per_replica=args.max_in_flight,
     )
 
 
@@ -99,6 +105,15 @@ def cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-cpus", type=float, default=1.0, help="Ray CPUs per replica (= its torch threads)")
     p.add_argument("--num-gpus", type=float, default=0.0, help="Ray GPUs per replica (1 = model on cuda)")
     p.add_argument("--store", type=Path, default=DEFAULT_STORE, help="metrics store file (SQLite)")
+    p.add_argument(
+        "--max-queue", type=int, default=256, help="requests a replica holds waiting for a slot; past it: overloaded"
+    )
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=512,
+        help="requests the router keeps in flight per replica; past it on every replica: overloaded",
+    )
     p.add_argument("--seed", type=int, default=0)
     engine_args(p)
     cache_flags(p)

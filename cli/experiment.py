@@ -26,12 +26,13 @@ def _command(args: argparse.Namespace) -> str:
             words += [flag, str(value)]
     if args.seeds:
         words += ["--seeds", *map(str, args.seeds)]
+    words += ["--allow-outside-paths"] * args.allow_outside_paths
     return shlex.join(words)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        plan = plan_experiment(args.file, args.seeds, args.simulate)
+        plan = plan_experiment(args.file, args.seeds, args.simulate, args.allow_outside_paths)
     except ExperimentError as err:
         raise ConfigError(str(err)) from None
     experiment = plan.experiment
@@ -133,4 +134,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED", help="replace the file's sweep.seeds")
     p.add_argument("--dry-run", action="store_true", help="check the file and list its cells; run nothing")
+    p.add_argument(
+        "--allow-outside-paths",
+        action="store_true",
+        help="let the file name a trace or cost model outside its own folder (absolute paths, ..)",
+    )
     p.set_defaults(func=run)

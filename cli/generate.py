@@ -11,6 +11,10 @@ from replica.policies import POLICIES
 
 
 def run(args: argparse.Namespace) -> int:
+    from replica.request import SamplingParams, validate_prompt
+
+    for prompt in args.prompts:  # before anything starts: undecodable bytes in argv are a clear error
+        validate_prompt(prompt)
     params = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
@@ -20,13 +24,14 @@ def run(args: argparse.Namespace) -> int:
         "stop": args.stop or [],
         "ignore_eos": args.ignore_eos,
     }
+    SamplingParams.parse(params)
     if not args.local and common.running_cluster(args.address):
         if args.chat:
             raise SlotServeError("--chat needs the tokenizer: use it with --local")
         from cluster.client import Client
 
-        client = Client(args.address)
-        results = [client.generate(p, **params) for p in args.prompts]
+        with Client(args.address) as client:
+            results = [client.generate(p, **params) for p in args.prompts]
         rows = [(p, None, r.token_ids, r.text, r.finish_reason, r.replica_id) for p, r in zip(args.prompts, results)]
     else:
         from replica.config import EngineConfig
@@ -71,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             )
         else:
             print(f"--- {prompt!r} ({reason}, {len(token_ids)} tokens, {where})\n{text}")
-    return 0
+    return 1 if any(row[4] == "error" for row in rows) else 0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -8,10 +8,10 @@ import sys
 
 from pydantic import ValidationError
 
-from cli import bench, calibrate, compare, down, experiment, generate, report, run, status, up
+from cli import bench, calibrate, compare, dashboard, down, experiment, generate, report, run, serve, status, top, up
 from protocol.errors import SlotServeError
 
-COMMANDS = (generate, compare, up, down, status, run, report, experiment, bench, calibrate)
+COMMANDS = (generate, compare, up, down, status, top, run, report, experiment, bench, calibrate, serve, dashboard)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,10 +35,6 @@ def main(argv: list[str] | None = None) -> int:
         first = err.errors()[0]
         print(f"slotserve: error: invalid {'.'.join(map(str, first['loc']))}: {first['msg']}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""`slotserve run`: replay a workload through the cluster once per routing policy and record it."""
+"""`slotserve run`: replay a workload through the cluster once per routing policy (in --repeats
+rounds), record it, and close with the comparison's verdict."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ def run(args: argparse.Namespace) -> int:
     from cluster.deploy import ensure_ray, find_cluster, start_cluster, stop_cluster
     from experiments.backends import routing_experiment
 
+    if args.repeats < 1:
+        raise SystemExit(f"slotserve run: --repeats must be at least 1, got {args.repeats}")
     ensure_ray(args.address, start_local=False)
     owned = not common.running_cluster(args.address)
     spec = common.cluster_spec(args)
@@ -32,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
             args.load,
             args.seed,
             config=spec.model_dump() if owned else {"cluster": "already running"},
+            repeats=args.repeats,
         )
     finally:
         if owned:
@@ -47,9 +51,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"recorded runs {', '.join(map(str, run_ids))} in {Path(args.store).resolve()}; plot: {plot}")
     else:
         print(f"recorded runs {', '.join(map(str, run_ids))} in the running cluster's store")
+    slo = SLO(args.slo_ttft, args.slo_tpot)
     if args.report:
-        report.print_reports(args.store, list(map(str, run_ids)), SLO())
+        report.print_reports(args.store, list(map(str, run_ids)), slo)
+    print_verdict(args.store, run_ids, slo)
     return 0
+
+
+def print_verdict(store_path: Path, run_ids: list[int], slo: SLO) -> None:
+    """Each policy's median and spread over its rounds, then the verdict line."""
+    from metrics.report import analyze
+    from metrics.store import MetricsStore
+    from metrics.verdict import verdict_line, verdict_table
+
+    store = MetricsStore(store_path)
+    by_policy: dict[str, list[dict]] = {}
+    for run_id in run_ids:
+        analysis = analyze(store, run_id, slo)
+        by_policy.setdefault(analysis["routing_policy"], []).append(analysis)
+    print(f"\nSLO: TTFT <= {slo.ttft} s, TPOT <= {slo.tpot} s; median (spread = max - min) over rounds")
+    print(verdict_table(by_policy))
+    print(verdict_line(by_policy))
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -61,7 +83,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "Uses the running cluster, or starts one for this run from the options below.",
     )
     common.address_arg(r)
-    r.add_argument("--workload", choices=["bursty-mix", "long-prompts", "saturated"], default="bursty-mix")
+    r.add_argument(
+        "--workload",
+        choices=["bursty-mix", "long-prompts", "saturated", "heavy-tail", "shared-prefix"],
+        default="bursty-mix",
+    )
+    r.add_argument("--repeats", type=int, default=1, help="rounds of every --routing policy (for the spread)")
+    r.add_argument("--slo-ttft", type=float, default=SLO.ttft, help="TTFT limit (s) of goodput in the report")
+    r.add_argument("--slo-tpot", type=float, default=SLO.tpot, help="TPOT limit (s) of goodput in the report")
     r.add_argument("--requests", type=int, default=32)
     r.add_argument("--load", type=float, default=0.8, help="arrival rate as a multiple of measured cluster capacity")
     r.add_argument("--report", action="store_true", help="print the report of the runs at the end")

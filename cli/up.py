@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from cli import common
@@ -10,8 +11,10 @@ from cli import common
 
 def run(args: argparse.Namespace) -> int:
     from cluster.deploy import ensure_ray, start_cluster
+    from metrics.definitions import SLO
 
-    spec = common.cluster_spec(args)
+    spec = common.cluster_spec(args).model_copy(update={"slo": SLO(args.slo_ttft, args.slo_tpot)})
+    os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")  # live metrics every second (a Ray started here)
     ensure_ray(args.address, start_local=True)
     model = spec.replica.engine.model if spec.replica.fake_step_seconds is None else "fake flat-cost model"
     print(
@@ -21,7 +24,33 @@ def run(args: argparse.Namespace) -> int:
     )
     start_cluster(spec, detached=True)
     print(f"slotserve is up; metrics store: {Path(spec.store_path).resolve()}")
+    print_metrics_hint()
     return 0
+
+
+def print_metrics_hint() -> None:
+    """Where live metrics are served, and the commands that start Prometheus and Grafana on them."""
+    import ray
+
+    from cluster.telemetry import write_service_discovery
+    from dashboards.build import HERE, prometheus_config
+
+    discovery = write_service_discovery()
+    config = discovery.with_name("slotserve_prometheus.yml")
+    config.write_text(prometheus_config(str(discovery)))
+    ports = ", ".join(
+        f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics" for n in ray.nodes() if n["Alive"]
+    )
+    print(f"live metrics (Prometheus format, names ray_slotserve_*): {ports}; service discovery: {discovery}")
+    print(
+        f"  Prometheus: prometheus --config.file={config} --web.listen-address=:9090 --storage.tsdb.path=results/prom"
+    )
+    print(
+        "  Grafana:    docker run --rm --network host -e SLOTSERVE_DASHBOARDS=/var/lib/grafana/dashboards "
+        f"-v {HERE}/provisioning:/etc/grafana/provisioning -v {HERE}/grafana:/var/lib/grafana/dashboards "
+        "grafana/grafana"
+    )
+    print("  (a Grafana of your own: slotserve dashboard push --grafana URL --token TOKEN; neither: slotserve top)")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -34,4 +63,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     common.address_arg(u)
     common.cluster_args(u)
+    u.add_argument("--slo-ttft", type=float, default=2.0, help="SLO for live goodput: seconds to first token")
+    u.add_argument("--slo-tpot", type=float, default=0.25, help="SLO for live goodput: seconds per output token")
     u.set_defaults(func=run)

@@ -2,26 +2,38 @@
 node, where its SQLite file lives), N replica actors spread over the nodes, and the router.
 
 `slotserve up` makes them detached, so they outlive the command; tests and one-shot runs
-make them owned by the driver, so they go when it does."""
+make them owned by the driver, so they go when it does.
+
+Failure handling set up here: replicas are created with `max_restarts` (Ray restarts a dead
+one; the router attaches it again once its health check passes), the router and the store
+restart without limit, the router watches replica health every `health_period`. A cluster
+that asks for more CPUs or GPUs than Ray has is refused at once instead of waiting on a
+pending actor; one whose router died is recovered by `up` (live replicas and store kept). A
+replica leaves by draining: no new requests, running ones finish within a timeout, the rest
+move to other replicas."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.client import NAMESPACE, ClusterError, connect, router_handle
 from cluster.store_actor import STORE_ACTOR_NAME, StoreActor
+from cluster.telemetry import replica_telemetry, router_telemetry
+from metrics.definitions import SLO
 from metrics.store import DEFAULT_STORE
 from replica.actor import ReplicaActor
 from replica.serving import ReplicaConfig
 from router.actor import ROUTER_ACTOR_NAME, RouterActor
+from router.policies import ROUTING_POLICIES
 
 REPLICA_PREFIX = "slotserve-replica-"
 READY_TIMEOUT = 600  # seconds: a replica converting the default model on first use takes ~40 s
@@ -37,6 +49,17 @@ class ClusterSpec(BaseModel):
     num_gpus_per_replica: float = Field(0.0, ge=0, description="1 puts the model on a GPU")
     store_path: str = str(DEFAULT_STORE)
     seed: int = 0
+    replica_max_restarts: int = Field(8, ge=0, description="times Ray restarts a replica that died")
+    max_in_flight_per_replica: int = Field(512, gt=0, description="router bound per replica; past it: overloaded")
+    max_in_flight: int | None = Field(None, gt=0, description="router bound in all (default: per replica x replicas)")
+    health_period: float = Field(1.0, gt=0, description="seconds between the router's replica health checks")
+
+    @field_validator("routing_policy")
+    @classmethod
+    def _known_routing(cls, name: str) -> str:
+        return ROUTING_POLICIES.check(name)
+
+    slo: SLO = Field(default_factory=SLO, description="the SLO the live goodput metrics count against")
 
 
 @dataclass
@@ -61,8 +84,18 @@ def ensure_ray(address: str | None, start_local: bool) -> None:
         pass
     if start_local:
         ray_cli = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
+        # Loopback: the cluster `up` makes for itself is for this machine only (Ray's own gRPC
+        # ports still listen on every interface; its token auth guards them).
         subprocess.run(
-            [ray_cli, "start", "--head", "--disable-usage-stats", "--include-dashboard=false"],
+            [
+                ray_cli,
+                "start",
+                "--head",
+                "--disable-usage-stats",
+                "--include-dashboard=false",
+                "--node-ip-address=127.0.0.1",
+                "--dashboard-host=127.0.0.1",
+            ],
             check=True,
             capture_output=True,
             timeout=120,
@@ -74,43 +107,106 @@ def ensure_ray(address: str | None, start_local: bool) -> None:
         )
 
 
-def start_cluster(spec: ClusterSpec, detached: bool = False) -> Deployment:
-    from router.policies import make_routing_policy
+def check_resources(spec: ClusterSpec) -> None:
+    """Refuse at once a cluster Ray cannot place (a replica would wait forever as a pending
+    actor), naming what was asked and what the Ray cluster has."""
+    total = ray.cluster_resources()
+    for resource, per_replica, flag in (
+        ("CPU", spec.num_cpus_per_replica, "--num-cpus"),
+        ("GPU", spec.num_gpus_per_replica, "--num-gpus"),
+    ):
+        need, have = spec.num_replicas * per_replica, total.get(resource, 0.0)
+        if per_replica and need > have + 1e-9:
+            fit = int((have + 1e-9) // per_replica)
+            raise ClusterError(
+                f"{spec.num_replicas} replicas x {per_replica:g} {resource} need {need:g} {resource}s; "
+                f"this Ray cluster has {have:g}: use --replicas {fit} or a smaller {flag}, or add nodes"
+            )
 
-    make_routing_policy(spec.routing_policy)  # an unknown name fails here, before any actor starts
+
+def _leftovers() -> dict[str, object]:
+    """slotserve actors alive on the cluster, by name."""
+    found = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] == NAMESPACE and entry["name"].startswith("slotserve-"):
+            try:
+                found[entry["name"]] = ray.get_actor(entry["name"], namespace=NAMESPACE)
+            except ValueError:
+                pass
+    return found
+
+
+def start_cluster(spec: ClusterSpec, detached: bool = False) -> Deployment:
+    """Start the store, the replicas and the router. If a router is already up this is an
+    error; if only its leftovers are (the router died for good), they are recovered: the
+    store and each live replica with this spec's config are kept, the rest started anew."""
     lifetime = {"lifetime": "detached"} if detached else {}
-    try:
-        ray.get_actor(ROUTER_ACTOR_NAME, namespace=NAMESPACE)
-        raise ClusterError("a slotserve cluster is already running here: `slotserve down` first")
-    except ValueError:
-        pass
+    leftovers = _leftovers()
+    if ROUTER_ACTOR_NAME in leftovers:
+        try:
+            ray.get(leftovers[ROUTER_ACTOR_NAME].status.remote(), timeout=30)
+            raise ClusterError("a slotserve cluster is already running here: `slotserve down` first")
+        except ray.exceptions.RayError:
+            ray.kill(leftovers.pop(ROUTER_ACTOR_NAME))
+    check_resources(spec)
     here = ray.get_runtime_context().get_node_id()
-    store = StoreActor.options(
+    store = leftovers.pop(STORE_ACTOR_NAME, None) or StoreActor.options(
         name=STORE_ACTOR_NAME,
         namespace=NAMESPACE,
         **lifetime,
+        max_restarts=-1,
         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
     ).remote(str(Path(spec.store_path).resolve()))
-    replicas = {
-        f"replica-{i}": ReplicaActor.options(
-            name=f"{REPLICA_PREFIX}{i}",
+    replicas = {}
+    for i in range(spec.num_replicas):
+        name = f"{REPLICA_PREFIX}{i}"
+        kept = leftovers.pop(name, None)
+        if kept is not None and not _same_config(kept, spec):
+            ray.kill(kept)
+            kept = None
+        replicas[f"replica-{i}"] = kept or ReplicaActor.options(
+            name=name,
             namespace=NAMESPACE,
             **lifetime,
             num_cpus=spec.num_cpus_per_replica,
             num_gpus=spec.num_gpus_per_replica,
+            max_restarts=spec.replica_max_restarts,
             scheduling_strategy="SPREAD",
-        ).remote(f"replica-{i}", spec.replica.model_dump())
-        for i in range(spec.num_replicas)
-    }
-    router = RouterActor.options(name=ROUTER_ACTOR_NAME, namespace=NAMESPACE, **lifetime).remote(
-        replicas, spec.routing_policy, spec.seed, store
+        ).remote(f"replica-{i}", spec.replica.model_dump(), replica_telemetry(spec.replica, spec.slo))
+    for extra in leftovers.values():  # replicas beyond this spec's count
+        ray.kill(extra)
+    router = RouterActor.options(
+        name=ROUTER_ACTOR_NAME,
+        namespace=NAMESPACE,
+        **lifetime,
+        max_restarts=-1,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),  # next to the store, off replica nodes
+    ).remote(
+        # Detached, the router outlives this process, and a restart must not need arguments
+        # this process owned: it finds replicas and store by name. Owned by this process, it
+        # holds their handles, which keeps them alive while the cluster is in use.
+        {rid: f"{REPLICA_PREFIX}{rid.removeprefix('replica-')}" for rid in replicas} if detached else replicas,
+        spec.routing_policy,
+        spec.seed,
+        STORE_ACTOR_NAME if detached else store,
+        max_in_flight_per_replica=spec.max_in_flight_per_replica,
+        max_in_flight=spec.max_in_flight,
+        health_period=spec.health_period,
+        telemetry=router_telemetry(),
     )
     try:
         ray.get([r.attach.remote(router, store) for r in replicas.values()], timeout=READY_TIMEOUT)
     except ray.exceptions.RayError as err:
-        stop_cluster()
+        stop_cluster(drain_timeout=0)
         raise ClusterError(f"replicas failed to start: {err}") from None
     return Deployment(router, replicas, store)
+
+
+def _same_config(replica, spec: ClusterSpec) -> bool:
+    try:
+        return ray.get(replica.info.remote(), timeout=30)["config"] == spec.replica.model_dump()
+    except ray.exceptions.RayError:
+        return False
 
 
 def find_cluster() -> Deployment:
@@ -119,19 +215,52 @@ def find_cluster() -> Deployment:
     return Deployment(router, replicas, ray.get_actor(STORE_ACTOR_NAME, namespace=NAMESPACE))
 
 
-def stop_cluster() -> list[str]:
-    """Kill every slotserve actor; returns the names it found."""
-    names = [
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["namespace"] == NAMESPACE and a["name"].startswith("slotserve-")
-    ]
-    for name in names:
-        ray.kill(ray.get_actor(name, namespace=NAMESPACE))
-    return names
+def drain_replica(deployment: Deployment, replica_id: str, timeout: float = 30.0) -> dict[str, int]:
+    """Remove one replica gracefully: the router sends it nothing more, its running requests
+    finish within `timeout` seconds, the rest go back to their clients to continue on other
+    replicas; then it stops. Returns how many finished and how many moved."""
+    handle = deployment.replicas[replica_id]
+    ray.get(deployment.router.start_drain.remote(replica_id), timeout=60)
+    counts = ray.get(handle.drain.remote(timeout), timeout=timeout + 60)
+    time.sleep(0.5)  # the clients' moves reach the router before the replica's handle goes
+    ray.kill(handle)
+    return counts
 
 
-def cluster_status() -> dict:
+def stop_cluster(drain_timeout: float = 0.0) -> list[str]:
+    """Stop every slotserve actor; returns the names it found. With `drain_timeout` > 0 the
+    replicas first stop admitting, and the requests they hold get that long to finish (with
+    no replica left to move to, what is still running then ends with an error)."""
+    actors = _leftovers()
+    replicas = {name: h for name, h in actors.items() if name.startswith(REPLICA_PREFIX)}
+    if drain_timeout > 0 and replicas:
+        router = actors.get(ROUTER_ACTOR_NAME)
+        try:
+            if router is not None:  # new requests are refused at once (no replica up), not sent to one draining
+                ids = [f"replica-{name.removeprefix(REPLICA_PREFIX)}" for name in replicas]
+                ray.get([router.start_drain.remote(rid) for rid in ids], timeout=60)
+        except (ray.exceptions.RayError, ValueError):
+            pass  # no router to tell (or not one that knows these replicas)
+        refs = [r.drain.remote(drain_timeout) for r in replicas.values()]
+        ray.wait(refs, num_returns=len(refs), timeout=drain_timeout + 60)  # a dead replica has nothing to drain
+    for handle in actors.values():
+        ray.kill(handle)
+    return list(actors)
+
+
+def cluster_status(timeout: float = 10.0) -> dict:
+    """The router's status and each replica's info; a replica that is dead or does not answer
+    within `timeout` is listed with the error instead of failing the whole status."""
     cluster = find_cluster()
-    infos = ray.get([r.info.remote() for r in cluster.replicas.values()], timeout=60)
+    refs = {replica_id: handle.info.remote() for replica_id, handle in cluster.replicas.items()}
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+    infos = []
+    for replica_id, ref in refs.items():
+        if ref not in ready:
+            infos.append({"replica_id": replica_id, "error": f"no answer within {timeout:g} s"})
+            continue
+        try:
+            infos.append(ray.get(ref))
+        except ray.exceptions.RayError as err:
+            infos.append({"replica_id": replica_id, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"})
     return {"router": ray.get(cluster.router.status.remote(), timeout=60), "replicas": infos}

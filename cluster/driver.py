@@ -21,7 +21,7 @@ from tqdm import tqdm
 from cluster.client import Client, Result
 from cluster.deploy import Deployment
 from metrics.recording import request_row
-from protocol.errors import SlotServeError
+from protocol.errors import OverloadedError, SlotServeError
 from workloads.schedule import ArrivalSchedule
 from workloads.workload import Workload, WorkloadRequest, request_prompt
 
@@ -32,14 +32,18 @@ async def _replay(
     client: Client, workload: Workload, run_id: int, store, replicas: list, vocab_size: int, seed: int, progress: bool
 ) -> None:
     rows: list[dict] = []
+    moves: list = []  # MigrationRecords of finished requests
     bar = tqdm(total=len(workload.requests), desc=workload.name, unit="req", disable=not progress)
     schedule = ArrivalSchedule(workload)
     wake = asyncio.Event()  # set at every end: a closed loop may have released a request
 
     async def flush() -> None:
         batch, rows[:] = list(rows), []
+        migrated, moves[:] = list(moves), []
         if batch:
             await store.add_requests.remote(run_id, batch)
+        if migrated:
+            await store.add_migrations.remote(run_id, migrated)
 
     async def one(i: int, spec: WorkloadRequest, planned: float) -> None:
         submitted = time.time()
@@ -49,13 +53,14 @@ async def _replay(
             result = await client.agenerate(
                 prompt, session_id=spec.session_id, request_id=rid, max_tokens=spec.output_len, ignore_eos=True
             )
-        except SlotServeError as err:
-            reason = "rejected" if isinstance(err, ValueError) else "error"
+        except SlotServeError as err:  # refused: bad input or overload (counted as rejected), or lost
+            reason = "rejected" if isinstance(err, (ValueError, OverloadedError)) else "error"
             result = Result(rid, None, submitted, finish_reason=reason, error=str(err), completion=time.time())
         finally:  # even an unexpected error (raised at the gather below) ends the request for its user
             schedule.finished(i, time.time() - t0)
             wake.set()
         rows.append(request_row(result.trace(spec.prompt_len, spec.output_len, spec.session_id, planned, submitted)))
+        moves.extend(result.migrations)
         bar.update(1)
         if len(rows) >= REQUEST_BATCH:
             await flush()
@@ -99,15 +104,17 @@ def run_workload(
     seed: int = 0,
     slo: dict | None = None,
     progress: bool = True,
+    client_routing: str = "actor",
 ) -> int:
-    """Replay `workload` and return its run id in the store."""
+    """Replay `workload` and return its run id in the store. `client_routing="local"`: the
+    driver's client routes on its own (`cluster.local_routing`) instead of asking the router."""
     store = deployment.store
     config = {**config, "workload_spec": workload.spec}
     run_id = ray.get(store.begin_run.remote(name, config, batching_policy, routing_policy, seed, slo))
     actors = [deployment.router, *deployment.replicas.values()]
     ray.get([a.set_run.remote(run_id) for a in actors])
     vocab = ray.get(next(iter(deployment.replicas.values())).info.remote())["vocab_size"]
-    with Client() as client:
+    with Client(routing=client_routing) as client:
         asyncio.run(_replay(client, workload, run_id, store, list(deployment.replicas.values()), vocab, seed, progress))
     ray.get([a.flush.remote() for a in actors])
     ray.get(store.end_run.remote(run_id, "complete"))

@@ -8,6 +8,8 @@ their step records and decisions as they are; the rows are made here, by the sam
 
 from __future__ import annotations
 
+import dataclasses
+
 import ray
 
 from metrics.definitions import RequestTrace
@@ -36,6 +38,13 @@ class StoreActor:
 
     def add_decision_records(self, run_id: int, decisions: list) -> None:
         self.store.add_decisions(run_id, [decision_row(d) for d in decisions])
+
+    def add_migrations(self, run_id: int, records: list) -> None:
+        """`MigrationRecord`s (protocol.messages) of the run's requests."""
+        self.store.add_migrations(run_id, [dataclasses.asdict(r) for r in records])
+
+    def migrations(self, run_id: int) -> list[dict]:
+        return self.store.migrations(run_id)
 
     def runs(self) -> list[dict]:
         return self.store.runs()

@@ -3,10 +3,11 @@ process) and `RayBackend` (a Ray cluster it starts and stops), each measuring th
 cell's load is a multiple of and running one cell into the store. `measure_capacity` and
 `routing_experiment` also serve `slotserve run`.
 
-Load is a multiple of capacity measured for the cluster shape: a saturating probe through the
-router (real: the median of three; simulated: the same probe on virtual time, which is
-deterministic), once per slots-per-replica value, so every batching and routing policy at one
-slot count sees exactly the same traffic.
+Load is a multiple of capacity measured for the cluster shape (`workloads.capacity`): two
+saturating probes through the router, one decoding (output tokens/s) and one prefilling
+(prompt tokens/s) (real: the median of three each; simulated: the same probes on virtual time,
+which is deterministic), once per slots-per-replica value, so every batching and routing
+policy at one slot count sees exactly the same traffic.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 import ray
@@ -26,20 +26,17 @@ from experiments.plan import Cell, Plan
 from metrics.store import MetricsStore
 from replica.errors import ConfigError
 from router.policies import DEFAULT_POLICY
+from workloads.capacity import (
+    PREFILL_PROBE_ROUNDS,
+    PROBE_MAX_TOKENS,
+    PROBE_PROMPT_LEN,
+    Capacity,
+    decode_rate,
+    prefill_probe_len,
+    prefill_rate,
+)
 from workloads.standard import at_load
-from workloads.workload import Workload, WorkloadRequest
-
-PROBE_PROMPT_LEN = 32  # tokens per capacity-probe prompt
-PROBE_MAX_TOKENS = 24
-
-
-def decode_rate(token_times: Iterable[list[float]]) -> float:
-    """Output tokens/s of a saturating probe: tokens after each request's first, over the
-    time from the first first-token to the last token."""
-    times = [t for t in token_times if t]
-    first = min(t[0] for t in times)
-    last = max(t[-1] for t in times)
-    return sum(len(t) - 1 for t in times) / (last - first)
+from workloads.workload import Workload
 
 
 async def _probe(client: Client, num_requests: int, max_tokens: int) -> float:
@@ -52,14 +49,27 @@ async def _probe(client: Client, num_requests: int, max_tokens: int) -> float:
     return decode_rate(r.token_times for r in results)
 
 
-def measure_capacity(deployment: Deployment, max_tokens: int = PROBE_MAX_TOKENS, probes: int = 3) -> float:
-    """Output tokens/s of the whole cluster with every slot of every replica busy decoding:
-    the median of a few saturating probes through the router (not recorded), so one stall
-    on a busy machine does not set the load of a whole experiment."""
+async def _prefill_probe(client: Client, num_requests: int, prompt_len: int) -> float:
+    """Distinct prompts (no prefix shared), one output token each."""
+    prompts = [[100 + (7 * i + j) % 20_000 for j in range(prompt_len)] for i in range(num_requests)]
+    results = await asyncio.gather(*[client.agenerate(p, max_tokens=1, ignore_eos=True) for p in prompts])
+    return prefill_rate(prompt_len, (r.token_times[0] for r in results), min(r.arrival for r in results))
+
+
+def measure_capacity(deployment: Deployment, max_tokens: int = PROBE_MAX_TOKENS, probes: int = 3) -> Capacity:
+    """The whole cluster's capacity with every slot of every replica busy: decoding (output
+    tokens/s) and prefilling (prompt tokens/s), each the median of a few saturating probes
+    through the router (not recorded), so one stall on a busy machine does not set the load
+    of a whole experiment."""
     infos = ray.get([r.info.remote() for r in deployment.replicas.values()])
     slots = sum(i["num_slots"] for i in infos)
+    prompt_len = prefill_probe_len(min(i["max_request_tokens"] for i in infos))
     with Client() as client:
-        return statistics.median(asyncio.run(_probe(client, slots, max_tokens)) for _ in range(probes))
+        decode = statistics.median(asyncio.run(_probe(client, slots, max_tokens)) for _ in range(probes))
+        prefill = statistics.median(
+            asyncio.run(_prefill_probe(client, PREFILL_PROBE_ROUNDS * slots, prompt_len)) for _ in range(probes)
+        )
+    return Capacity(decode, prefill)
 
 
 def routing_experiment(
@@ -71,13 +81,17 @@ def routing_experiment(
     seed: int,
     config: dict,
     progress: bool = True,
+    repeats: int = 1,
 ) -> list[int]:
-    """Replay the same seeded workload once per routing policy; returns the run ids."""
+    """Replay the same seeded workload once per routing policy in each of `repeats` rounds (the
+    policies' order reversed every other round, so a drift of the machine favours none);
+    returns the run ids."""
     capacity = measure_capacity(deployment)
     workload = at_load(workload_name, num_requests, load, capacity, seed)
     batching = ray.get(next(iter(deployment.replicas.values())).info.remote())["policy"]
     run_ids = []
-    for policy in routing_policies:
+    rounds = [routing_policies if r % 2 == 0 else routing_policies[::-1] for r in range(repeats)]
+    for policy in (p for order in rounds for p in order):
         ray.get(deployment.router.set_policy.remote(policy))
         stamp = time.strftime("%H%M%S")
         run_ids.append(
@@ -111,16 +125,10 @@ class SimulatedBackend:
             seed=seed,
         )
 
-    def capacity(self, cell: Cell) -> float:
-        from sim.simulator import simulate
+    def capacity(self, cell: Cell) -> Capacity:
+        from sim.simulator import measure_capacity as simulated_capacity
 
-        config = self._config(cell, DEFAULT_POLICY, 0)
-        probe = Workload(
-            "capacity-probe",
-            0,
-            [WorkloadRequest(0.0, PROBE_PROMPT_LEN, PROBE_MAX_TOKENS)] * (config.num_replicas * cell.slots),
-        )
-        return decode_rate(t.token_times for t in simulate(probe, config, self.plan.cost).traces)
+        return simulated_capacity(self._config(cell, DEFAULT_POLICY, 0), self.plan.cost)
 
     def run(self, cell: Cell, workload: Workload, name: str, config: dict, slo: dict) -> int:
         from sim.simulator import record_simulation, simulate
@@ -162,7 +170,7 @@ class RayBackend:
             self.deployment, self.deployed = start_cluster(spec), cell.deployment
         return self.deployment
 
-    def capacity(self, cell: Cell) -> float:
+    def capacity(self, cell: Cell) -> Capacity:
         deployment = self._deploy(cell)
         ray.get(deployment.router.set_policy.remote(DEFAULT_POLICY))
         return measure_capacity(deployment)

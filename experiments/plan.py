@@ -17,6 +17,7 @@ from replica.fake_model import CostModel, FlatCostModel
 from replica.policies import POLICIES
 from router.policies import ROUTING_POLICIES
 from sim.cost_model import FittedCostModel
+from workloads.capacity import Capacity
 from workloads.experiment import Experiment, load_experiment
 from workloads.workload import Workload
 
@@ -78,24 +79,29 @@ class Plan:
             device="cuda" if c.num_gpus else c.device,
         )
 
-    def workload(self, cell: Cell, capacity: float) -> Workload:
-        """The cell's workload: its seed, at its load x `capacity` (output tokens/s)."""
+    def workload(self, cell: Cell, capacity: Capacity) -> Workload:
+        """The cell's workload: its seed, at its load x `capacity` (`workloads.capacity`)."""
         spec = self.experiment.workload_spec(cell.seed, self.workload_args[cell.workload])
         if cell.load is None:
             return spec.build()
         workload = spec.at_load(cell.load, capacity).build()
-        workload.params.update({"load": cell.load, "capacity_tokens_per_s": capacity})
+        workload.params.update({"load": cell.load, **capacity.as_params()})
         return workload
 
 
 _SET_ELSEWHERE = {"model", "policy", "num_slots", "max_seq_len", "token_budget", "dtype", "device"}
 
 
-def plan_experiment(path: str | Path, seeds: list[int] | None = None, simulate: bool = False) -> Plan:
+def plan_experiment(
+    path: str | Path, seeds: list[int] | None = None, simulate: bool = False, allow_outside_paths: bool = False
+) -> Plan:
     """Everything a run needs, checked: the file, every seed's workload, every cell's engine
-    config, and (simulating) the cost model. `seeds` replaces the file's sweep.seeds. Raises
-    ExperimentError (file:line: key: what is wrong) before anything has started."""
-    experiment = load_experiment(path, batching=POLICIES, routing=ROUTING_POLICIES, seeds=seeds)
+    config, and (simulating) the cost model. `seeds` replaces the file's sweep.seeds; paths in
+    the file must stay in its folder unless `allow_outside_paths`. Raises ExperimentError
+    (file:line: key: what is wrong) before anything has started."""
+    experiment = load_experiment(
+        path, batching=POLICIES, routing=ROUTING_POLICIES, seeds=seeds, allow_outside_paths=allow_outside_paths
+    )
     sweep, c = experiment.sweep, experiment.cluster
     clash = sorted(_SET_ELSEWHERE & set(c.engine))
     if clash:
@@ -121,7 +127,7 @@ def _cost_model(experiment: Experiment) -> CostModel:
     c = experiment.cluster
     if c.cost_model is not None:
         try:
-            return FittedCostModel.load(experiment.resolve(c.cost_model))
+            return FittedCostModel.load(experiment.resolve(c.cost_model, ("cluster", "cost_model")))
         except ConfigError as err:
             raise experiment.error(("cluster", "cost_model"), str(err)) from None
     if c.model == "fake":

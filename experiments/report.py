@@ -19,7 +19,7 @@ from metrics.definitions import SLO
 from metrics.report import analyze
 from metrics.store import MetricsStore
 
-# key, header, value from analyze()'s cluster scope, format
+# key, header, value from analyze()'s cluster scope (with the run-wide prefix hit rate, imbalance, regret), format
 METRICS: list[tuple[str, str, Callable[[dict], float | None], str]] = [
     ("throughput", "tok/s", lambda c: c["throughput"], "{:.1f}"),
     ("goodput", "good tok/s", lambda c: c["goodput"], "{:.1f}"),
@@ -29,6 +29,9 @@ METRICS: list[tuple[str, str, Callable[[dict], float | None], str]] = [
     ("tpot_p50", "TPOT p50 s", lambda c: c["tpot"]["p50"], "{:.3f}"),
     ("itl_p99", "ITL p99 s", lambda c: c["itl"]["p99"], "{:.3f}"),
     ("slot_efficiency", "slot eff %", lambda c: _pct(c["slot_efficiency"]), "{:.1f}"),
+    ("prefix_hit_rate", "prefix hit %", lambda c: _pct(c["prefix_hit_rate"]), "{:.1f}"),
+    ("imbalance", "imbalance", lambda c: c["imbalance"]["output_tokens"], "{:.2f}"),
+    ("regret", "regret s", lambda c: c["regret"]["mean"], "{:.3f}"),
 ]
 SPREAD_NOTE = "median over seeds ± half the min–max range"
 
@@ -63,7 +66,8 @@ def summarize_runs(result: ExperimentResult) -> list[SummaryRow]:
         for cell, run_id in result.runs:
             row = rows.setdefault(cell.row, SummaryRow(cell, values={k: [] for k, *_ in METRICS}))
             row.run_ids.append(run_id)
-            scope = analyze(store, run_id, slo)["cluster"]
+            a = analyze(store, run_id, slo)
+            scope = {**a["cluster"], **{k: a[k] for k in ("prefix_hit_rate", "imbalance", "regret")}}
             for key, _, value, _ in METRICS:
                 if (v := value(scope)) is not None:
                     row.values[key].append(v)
@@ -231,7 +235,10 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
         model = f"simulated: {type(cost).__name__}" + (
             f" from {c.cost_model}" if c.cost_model else f" ({c.fake_step_seconds * 1000:g} ms a step)"
         )
-    capacity = ", ".join(f"{v:.1f} output tok/s at {s} slots/replica" for s, v in result.capacities.items())
+    capacity = ", ".join(
+        f"{v.decode_tokens_per_s:.1f} output tok/s and {v.prefill_tokens_per_s:.1f} prompt tok/s at {s} slots/replica"
+        for s, v in result.capacities.items()
+    )
     lines = [
         f"# {experiment.name}",
         "",

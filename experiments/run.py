@@ -11,6 +11,7 @@ from tqdm import tqdm
 from experiments.backends import RayBackend, SimulatedBackend
 from experiments.plan import Cell, Plan
 from metrics.store import DEFAULT_STORE, MetricsStore, open_store
+from workloads.capacity import Capacity
 
 
 @dataclass
@@ -19,7 +20,7 @@ class ExperimentResult:
     simulated: bool
     store_path: Path
     runs: list[tuple[Cell, int]] = field(default_factory=list)  # in the order they ran
-    capacities: dict[int, float] = field(default_factory=dict)  # slots per replica -> output tokens/s
+    capacities: dict[int, Capacity] = field(default_factory=dict)  # slots per replica -> measured capacity
 
 
 def run_experiment(
@@ -53,7 +54,7 @@ def run_experiment(
                 "experiment": experiment.name,
                 "experiment_file": str(experiment.path.resolve()),
                 "cell": asdict(cell),
-                "capacity_tokens_per_s": capacity,
+                **capacity.as_params(),
                 "cluster": experiment.cluster.model_dump(),
                 "workload": workload.describe(),
                 "workload_params": workload.params,

@@ -17,6 +17,11 @@ steps or the spread across replicas:
 - rejected ('rejected'), failed ('error') and aborted ('abort') requests miss every SLO.
 - preemptions: as the replicas' steps counted them (every step is recorded);
   `num_preemptions` sums the request rows' counts, which only a client that knew them fills.
+- prefix hit rate: the share of the prompt tokens of requests that reached a replica that no
+  step computed (1 - prefill tokens of the steps / those prompt tokens): what prefix caching
+  skipped. Recompute after a preemption counts against it; a run without steps has none.
+- regret: the routing decision audit of `metrics.audit` (TTFT lost against the best replica
+  in hindsight); with several runs, `format_report` ends with it summarised per policy.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import asdict
 
 import numpy as np
 
+from metrics.audit import audit
 from metrics.definitions import SLO, RequestTrace, percentiles, slot_efficiency, summarize
 from metrics.store import MetricsStore, StoreError
 
@@ -68,7 +74,16 @@ def analyze(store: MetricsStore, run_id: int, slo: SLO = SLO()) -> dict:
             "output_tokens": _imbalance([r["output_tokens"] for r in replicas.values()]),
         },
         "submit_lateness": percentiles(lateness),
+        "prefix_hit_rate": _prefix_hit_rate(traces, steps),
+        "regret": audit(traces),
     }
+
+
+def _prefix_hit_rate(traces: list[RequestTrace], steps: list[dict]) -> float | None:
+    prompt = sum(t.prompt_len for t in traces if t.replica is not None)
+    if not steps or not prompt:
+        return None
+    return max(0.0, 1.0 - sum(s["prefill_tokens"] or 0 for s in steps) / prompt)
 
 
 def _scope(traces: list[RequestTrace], steps: list[dict], slo: SLO) -> dict:
@@ -179,8 +194,44 @@ def format_report(analyses: list[dict]) -> str:
         late = a["submit_lateness"]
         if late["max"] is not None:
             lines.append(f"driver submit lateness: p99 {_sec(late['p99'])} s, max {_sec(late['max'])} s")
+        lines.append(f"prefix cache hit rate {_pct(a['prefix_hit_rate'])}; {_regret_line(a['regret'])}")
         blocks.append("\n".join(lines))
+    if len({a["routing_policy"] for a in analyses}) > 1:
+        blocks.append(format_policy_audit(analyses))
     return "\n\n".join(blocks)
+
+
+def _regret_line(r: dict) -> str:
+    if not r["audited"]:
+        return "routing regret: nothing to compare (one replica, or no TTFT)"
+    return (
+        f"routing regret (TTFT lost against the best replica in hindsight, {r['audited']} decisions): "
+        f"mean {_sec(r['mean'])} s, p99 {_sec(r['regret']['p99'])} s, best replica chosen {_pct(r['best_share'])}"
+    )
+
+
+def format_policy_audit(analyses: list[dict]) -> str:
+    """The decision audit per routing policy over the given runs: decisions audited, mean
+    regret (the mean of the runs' means), p99 (the runs' median), best replica chosen, and the
+    prefix hit rate."""
+    by_policy: dict[str, list[dict]] = {}
+    for a in analyses:
+        by_policy.setdefault(a["routing_policy"], []).append(a)
+    lines = [
+        "decision audit per routing policy (regret: TTFT lost against the best replica in hindsight)",
+        f"{'policy':<18}{'runs':>5}{'decisions':>10}{'mean s':>9}{'p99 s':>8}{'best':>7}{'prefix hit':>11}",
+    ]
+    for policy, runs in by_policy.items():
+        audited = [a["regret"] for a in runs if a["regret"]["audited"]]
+        hits = [a["prefix_hit_rate"] for a in runs if a["prefix_hit_rate"] is not None]
+        mean = float(np.mean([r["mean"] for r in audited])) if audited else None
+        p99 = float(np.median([r["regret"]["p99"] for r in audited])) if audited else None
+        best = float(np.mean([r["best_share"] for r in audited])) if audited else None
+        lines.append(
+            f"{policy:<18}{len(runs):>5}{sum(r['audited'] for r in audited):>10}{_sec(mean):>9}{_sec(p99):>8}"
+            f"{_pct(best):>7}{_pct(float(np.mean(hits)) if hits else None):>11}"
+        )
+    return "\n".join(lines)
 
 
 def to_csv(analyses: list[dict]) -> str:
@@ -197,6 +248,7 @@ def to_csv(analyses: list[dict]) -> str:
                 flat.update({f"{key}_{q}": v for q, v in value.items()} if isinstance(value, dict) else {key: value})
             if scope == "cluster":
                 flat.update({f"imbalance_{k}": v for k, v in a["imbalance"].items()})
+                flat.update(prefix_hit_rate=a["prefix_hit_rate"], regret_mean=a["regret"]["mean"])
             rows.append(flat)
     fields = list(dict.fromkeys(k for row in rows for k in row))
     out = io.StringIO()

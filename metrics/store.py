@@ -34,6 +34,8 @@ Schema (see `SCHEMA`; times are seconds on the writer's clock, `time.time()` in 
 - decisions: one row per routing decision: the policy, the replica picked, every replica's
   score and in-flight count (JSON objects keyed by replica id), and `signal_age`, the age of
   the oldest load report the decision used.
+- migrations: one row per move of a request off a replica that was lost or drained: from,
+  to (NULL when no replica could take it), the tokens carried over, and why.
 """
 
 from __future__ import annotations
@@ -51,9 +53,18 @@ from metrics.definitions import RequestTrace
 from protocol.errors import SlotServeError
 
 DEFAULT_STORE = Path("results/slotserve.db")
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+_MIGRATIONS_TABLE = """CREATE TABLE IF NOT EXISTS migrations (
+    run_id INTEGER NOT NULL REFERENCES runs(run_id),
+    request_id TEXT NOT NULL,
+    time REAL,
+    from_replica TEXT NOT NULL,
+    to_replica TEXT,                 -- NULL: no replica could take it (the request failed)
+    tokens_carried INTEGER,          -- tokens already delivered, prefilled on the new replica
+    reason TEXT
+);"""
 # How a store of an older version is brought up to this one, step by step (version -> SQL).
-_MIGRATIONS = {1: "ALTER TABLE steps ADD COLUMN context_tokens INTEGER;"}
+_MIGRATIONS = {1: "ALTER TABLE steps ADD COLUMN context_tokens INTEGER;", 2: _MIGRATIONS_TABLE}
 END_STATUSES = ("complete", "failed", "aborted")
 
 SCHEMA = """
@@ -126,6 +137,7 @@ CREATE TABLE IF NOT EXISTS decisions (
 );
 CREATE INDEX IF NOT EXISTS decisions_by_run ON decisions (run_id, time);
 """
+SCHEMA += _MIGRATIONS_TABLE
 
 # Columns a batch row may carry (run_id comes from the call), the ones it must carry, and
 # the ones stored as JSON text.
@@ -162,11 +174,13 @@ _COLUMNS = {
         "preemptions",
     ),
     "decisions": ("request_id", "time", "policy", "replica_id", "scores", "signal_age", "in_flight"),
+    "migrations": ("request_id", "time", "from_replica", "to_replica", "tokens_carried", "reason"),
 }
 _REQUIRED = {
     "requests": ("request_id", "arrival", "completion", "finish_reason"),
     "steps": ("replica_id", "step"),
     "decisions": ("request_id",),
+    "migrations": ("request_id", "from_replica"),
 }
 _JSON = {"config", "machine", "slo", "scores", "in_flight"}
 
@@ -286,6 +300,10 @@ class MetricsStore:
     def add_decisions(self, run_id: int, rows: list[dict]) -> None:
         self._write(run_id, [_batch("decisions", run_id, rows)])
 
+    def add_migrations(self, run_id: int, rows: list[dict]) -> None:
+        """Requests moved to another replica (a lost or draining one): one row per move."""
+        self._write(run_id, [_batch("migrations", run_id, rows)])
+
     def _write(self, run_id: int, batches: list[tuple[str, list]]) -> None:
         """Run every (sql, rows) batch in one transaction: all of it lands or none of it."""
         self.run(run_id)  # an unknown run id is named before anything is written
@@ -348,6 +366,13 @@ class MetricsStore:
         return [
             {k: _decode(k, r[k]) for k in r.keys()}
             for r in self.conn.execute("SELECT * FROM decisions WHERE run_id = ? ORDER BY time, rowid", (run_id,))
+        ]
+
+    def migrations(self, run_id: int) -> list[dict]:
+        self.run(run_id)
+        return [
+            dict(r)
+            for r in self.conn.execute("SELECT * FROM migrations WHERE run_id = ? ORDER BY time, rowid", (run_id,))
         ]
 
     def _unknown_run(self, run_id: int) -> UnknownRunError:

@@ -1,19 +1,28 @@
-# Over 400 lines: each peer's run is a short function, and all run in spawned processes from one plan.
+# Over 400 lines: each system's run is a short function, and all run in spawned processes from one plan.
 """`slotserve bench`: slotserve's engine against what a user would run instead, on the
-`saturated` workload, in one run on this machine.
+`saturated` workload (the same prompt token ids and per-request max_tokens for every system,
+greedy, EOS ignored), in one run on this machine.
+
+It first prints the CPU's model and flags and probes this machine's roofs (matrix-product
+FLOP/s in fp32 and bf16, memory bandwidth; ~10 s): every "% of roofline" is against them.
 
 Systems, each in a fresh process (so its peak memory is its own):
-- slotserve's engine, continuous and chunked policies, at several slot counts;
-- transformers' static `generate()` in batches of 8: left padding, each batch runs to its
-  longest request; its useful tokens are the requests' own lengths;
-- transformers' built-in continuous batching (`init_continuous_batching`, per-request
-  `max_new_tokens`) at each setting of HF_CB_GRID, the best taken as the peer;
+- slotserve's engine, each policy at each slot count and each dtype (fp32, and bf16 where the
+  machine has bf16 matrix units or a GPU; with `--int8-rows N` also bf16 with int8 weights for
+  steps of at most N rows);
+- vLLM's CPU engine (`make peers`), thread binding `auto` and all cores, each at bf16 and fp32;
+- transformers' static `generate()` in batches of 8 (left padding, each batch runs to its
+  longest request; its useful tokens are the requests' own lengths);
+- transformers' continuous batching (`init_continuous_batching`, per-request max_new_tokens) at
+  each setting of HF_CB_GRID and each dtype;
+- single-stream decode (one request alone, batch 1): tokens/s of slotserve, vLLM and
+  transformers, each from two generation lengths (prefill and call overhead cancel);
 - one decode step of slotserve and of the plain transformers model ("just call the model",
-  DynamicCache) at the same batch sizes, set against the compute roofline in HARDWARE.md;
-- bf16 against fp32 on slotserve: speed, and how many requests' greedy outputs agree.
+  DynamicCache) at the same batch sizes, against the compute roofline.
 
 Ratios are within this one run: the machine is noisy, absolute times across runs are not
-comparable.
+comparable. Greedy agreement: for each slotserve setting, the share of requests whose tokens
+equal the fp32 run's at the same policy and slots (and vLLM's against slotserve's fp32).
 """
 
 from __future__ import annotations
@@ -21,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import re
 import resource
 import statistics
 import time
@@ -43,36 +51,45 @@ MAX_SEQ_LEN = 64 + 256  # saturated: prompts up to 64 tokens, outputs up to 256
 STATIC_BATCH = 8
 DECODE_PROMPT_LEN = 64
 DECODE_STEPS = 12
+# Single-stream decode: one 64-token prompt generated to both lengths; tokens/s = 96 / dt.
+DECODE1_LENS = (32, 128)
+DECODE1_REPEATS = 3
 
 
 @dataclass
 class BenchRow:
-    system: str  # slotserve | hf-static | hf-continuous | slotserve-decode | hf-decode
-    policy: str
+    system: str  # slotserve | vllm | hf-static | hf-continuous | decode1 | slotserve-decode | hf-decode
+    policy: str  # policy or settings, in words
     slots: int  # slots, batch size, or max requests in flight
     useful_tokens_per_s: float
     peak_mem_mb: float
     seconds: float = 0.0
     useful_tokens: int = 0
     dtype: str = "float32"
-    tag: str = ""  # "bf16": one of the pair of the bf16 comparison
-    outputs: list[list[int]] = field(default_factory=list)  # token ids, kept for the bf16 comparison only
+    weights: str = ""  # "int8<=N": weight-only int8 for steps of at most N rows
+    engine: str = ""  # decode1: which system (slotserve, vllm, transformers)
+    outputs: list[list[int]] = field(default_factory=list)  # greedy token ids, for the agreement
     error: str = ""
+
+    @property
+    def variant(self) -> str:
+        return self.dtype + (f"+{self.weights}" if self.weights else "")
 
 
 @dataclass(frozen=True)
 class Job:
-    """One row's work, run in a fresh process."""
+    """One row's work (two for vLLM), run in a fresh process."""
 
-    kind: str  # engine | hf-static | hf-continuous | decode
+    kind: str  # engine | vllm | hf-static | hf-continuous | decode | decode1
     model: str
     dtype: str
     device: str
     num_requests: int
     policy: str = ""
     slots: int = 0
-    hf: bool = False  # decode: the transformers model instead of slotserve's
-    tag: str = ""
+    hf: bool = False  # decode, decode1: the transformers model instead of slotserve's
+    int8_rows: int = 0
+    binding: str = ""  # vllm: auto | all
     cb_settings: tuple[tuple[str, int], ...] = ()  # hf-continuous: ContinuousBatchingConfig fields
 
 
@@ -81,13 +98,17 @@ def _workload(num_requests: int, vocab_size: int) -> tuple[list[list[int]], list
     return [request_prompt(w.seed, i, r, vocab_size) for i, r in enumerate(w.requests)], w.output_lens
 
 
-def _peak_mem_mb(device: str) -> float:
-    """Peak resident memory of this process (CPU) or peak allocated GPU memory."""
+def _decode_prompt(i: int = 0) -> list[int]:
+    return [100 + (7 * i + j) % 5000 for j in range(DECODE_PROMPT_LEN)]
+
+
+def _peak_mem_mb(device: str, children: bool = False) -> float:
+    """Peak resident memory of this process (or its largest child) or peak allocated GPU memory."""
     import torch
 
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return resource.getrusage(resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _sync(device: str) -> None:
@@ -97,19 +118,29 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _engine_run(job: Job) -> BenchRow:
+def _engine(job: Job, slots: int, max_seq_len: int, policy: str):
     from replica.config import EngineConfig
     from replica.engine import Engine
 
-    config = EngineConfig(
-        model=job.model,
-        dtype=job.dtype,
-        device=job.device,
-        policy=job.policy,
-        num_slots=job.slots,
-        max_seq_len=MAX_SEQ_LEN,
+    return Engine(
+        EngineConfig(
+            model=job.model,
+            dtype=job.dtype,
+            device=job.device,
+            policy=policy,
+            num_slots=slots,
+            max_seq_len=max_seq_len,
+            int8_rows=job.int8_rows,
+        )
     )
-    engine = Engine(config)
+
+
+def _weights(job: Job) -> str:
+    return f"int8<={job.int8_rows}" if job.int8_rows else ""
+
+
+def _engine_run(job: Job) -> list[BenchRow]:
+    engine = _engine(job, job.slots, MAX_SEQ_LEN, job.policy)
     prompts, lens = _workload(job.num_requests, engine.runner.vocab_size)
     params = [{"max_tokens": n, "ignore_eos": True} for n in lens]
     engine.generate(prompts[:2], [{"max_tokens": 2, "ignore_eos": True}] * 2)  # warm-up, not timed
@@ -118,35 +149,86 @@ def _engine_run(job: Job) -> BenchRow:
     _sync(engine.runner.device)
     seconds = time.perf_counter() - t
     useful = sum(len(c.token_ids) for c in done)
-    return BenchRow(
-        "slotserve",
-        job.policy,
-        job.slots,
-        useful / seconds,
-        _peak_mem_mb(engine.runner.device),
-        seconds,
-        useful,
-        job.dtype,
-        job.tag,
-        [c.token_ids for c in done] if job.tag == "bf16" else [],
+    row = BenchRow(
+        "slotserve", job.policy, job.slots, useful / seconds, _peak_mem_mb(engine.runner.device), seconds, useful
     )
+    row.dtype, row.weights, row.outputs = engine.runner.dtype, _weights(job), [c.token_ids for c in done]
+    return [row]
+
+
+def _decode1(job: Job) -> list[BenchRow]:
+    """Single-stream decode: the best time of each of two generation lengths, tokens/s from the difference."""
+    import torch
+
+    prompt, (short, long) = _decode_prompt(), DECODE1_LENS
+    if job.hf:
+        from transformers import GenerationConfig
+
+        model, device, dtype = _hf_model(job)
+        ids = torch.tensor([prompt], device=device)
+
+        def gen(n: int) -> None:
+            config = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            with torch.inference_mode():
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            _sync(device)
+
+        name = "transformers"
+    else:
+        engine = _engine(job, 1, DECODE_PROMPT_LEN + long + 1, "chunked")
+        device, dtype = engine.runner.device, engine.runner.dtype
+        gen = lambda n: engine.generate([prompt], {"max_tokens": n, "ignore_eos": True})
+        name = "slotserve"
+    gen(4)  # warm-up
+    best = {}
+    for n in (short, long) * DECODE1_REPEATS:
+        t = time.perf_counter()
+        gen(n)
+        best[n] = min(best.get(n, float("inf")), time.perf_counter() - t)
+    tpot = (best[long] - best[short]) / (long - short)
+    row = BenchRow("decode1", "one request alone (batch 1)", 1, 1 / tpot, _peak_mem_mb(device), tpot, 1, dtype)
+    row.engine, row.weights = name, _weights(job)
+    return [row]
+
+
+def _vllm(job: Job) -> list[BenchRow]:
+    from peers.vllm_cpu import VllmSettings, run_vllm
+    from replica.model_loader import resolve_model_dir
+
+    model_dir = resolve_model_dir(job.model)
+    if model_dir is None:
+        raise ValueError(f"vLLM needs a model directory; {job.model!r} is built from config")
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts, lens = _workload(job.num_requests, vocab)
+    settings = VllmSettings(job.dtype, job.binding)
+    r = run_vllm(settings, model_dir, prompts, lens, MAX_SEQ_LEN, job.slots, _decode_prompt(), DECODE1_LENS)
+    peak = _peak_mem_mb("cpu", children=True)
+    described = f"{settings.describe()}, max_num_seqs={job.slots} (vllm {r['vllm']}, start-up {r['startup_s']:.0f} s)"
+    tput = BenchRow("vllm", described, job.slots, r["tokens_per_s"], peak, r["seconds"], r["useful_tokens"], job.dtype)
+    tput.outputs = r["outputs"]
+    decode = BenchRow(
+        "decode1", settings.describe(), 1, r["decode1_tokens_per_s"], peak, 1 / r["decode1_tokens_per_s"], 1
+    )
+    decode.dtype, decode.engine = job.dtype, "vllm"
+    return [tput, decode]
 
 
 def _hf_model(job: Job):
-
+    from replica.config import resolve_dtype
     from replica.model_loader import load_hf_model
     from replica.model_runner import DTYPES, pick_device
 
     hf, _ = load_hf_model(job.model)
     device = pick_device(job.device)
-    return hf.to(device, DTYPES[job.dtype]).eval(), device
+    dtype = resolve_dtype(job.dtype, device)
+    return hf.to(device, DTYPES[dtype]).eval(), device, dtype
 
 
-def _hf_static(job: Job) -> BenchRow:
+def _hf_static(job: Job) -> list[BenchRow]:
     import torch
     from transformers import GenerationConfig
 
-    model, device = _hf_model(job)
+    model, device, dtype = _hf_model(job)
     prompts, lens = _workload(job.num_requests, model.config.vocab_size)
     t = time.perf_counter()
     for b in range(0, len(prompts), STATIC_BATCH):
@@ -161,23 +243,19 @@ def _hf_static(job: Job) -> BenchRow:
             model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     _sync(device)
     seconds = time.perf_counter() - t
-    return BenchRow(
-        "hf-static",
-        f"generate() batches of {STATIC_BATCH}",
-        STATIC_BATCH,
-        sum(lens) / seconds,
-        _peak_mem_mb(device),
-        seconds,
-        sum(lens),
-        job.dtype,
-    )
+    policy = f"generate() batches of {STATIC_BATCH}"
+    return [
+        BenchRow(
+            "hf-static", policy, STATIC_BATCH, sum(lens) / seconds, _peak_mem_mb(device), seconds, sum(lens), dtype
+        )
+    ]
 
 
-def _hf_continuous(job: Job) -> BenchRow:
+def _hf_continuous(job: Job) -> list[BenchRow]:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    model, device = _hf_model(job)
+    model, device, dtype = _hf_model(job)
     prompts, lens = _workload(job.num_requests, model.config.vocab_size)
     config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(lens))
     settings = dict(job.cb_settings)
@@ -197,12 +275,14 @@ def _hf_continuous(job: Job) -> BenchRow:
     manager.stop(block=True)
     seconds = time.perf_counter() - t
     described = " ".join(f"{k}={v}" for k, v in settings.items())
-    return BenchRow(
-        "hf-continuous", described, job.num_requests, useful / seconds, _peak_mem_mb(device), seconds, useful, job.dtype
+    row = BenchRow(
+        "hf-continuous", described, job.num_requests, useful / seconds, _peak_mem_mb(device), seconds, useful
     )
+    row.dtype = dtype
+    return [row]
 
 
-def _decode_step(job: Job) -> BenchRow:
+def _decode_step(job: Job) -> list[BenchRow]:
     """Median time of a pure decode step at batch `slots` (64-token prompts, context 64-76)."""
     import torch
 
@@ -210,10 +290,8 @@ def _decode_step(job: Job) -> BenchRow:
     if job.hf:
         from transformers import DynamicCache
 
-        model, device = _hf_model(job)
-        ids = torch.tensor(
-            [[100 + (7 * i + j) % 5000 for j in range(DECODE_PROMPT_LEN)] for i in range(job.slots)], device=device
-        )
+        model, device, dtype = _hf_model(job)
+        ids = torch.tensor([_decode_prompt(i) for i in range(job.slots)], device=device)
         with torch.inference_mode():
             cache = DynamicCache()
             nxt = model(ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
@@ -223,84 +301,96 @@ def _decode_step(job: Job) -> BenchRow:
                 _sync(device)
                 times.append(time.perf_counter() - t)
     else:
-        from replica.config import EngineConfig
-        from replica.engine import Engine
-
-        engine = Engine(
-            EngineConfig(
-                model=job.model,
-                dtype=job.dtype,
-                device=job.device,
-                policy="mixed",
-                num_slots=job.slots,
-                max_seq_len=DECODE_PROMPT_LEN + DECODE_STEPS + 2,
-            )
-        )
-        device = engine.runner.device
+        engine = _engine(job, job.slots, DECODE_PROMPT_LEN + DECODE_STEPS + 2, "mixed")
+        device, dtype = engine.runner.device, engine.runner.dtype
         for i in range(job.slots):
-            engine.add_request(
-                [100 + (7 * i + j) % 5000 for j in range(DECODE_PROMPT_LEN)],
-                {"max_tokens": DECODE_STEPS + 1, "ignore_eos": True},
-            )
+            engine.add_request(_decode_prompt(i), {"max_tokens": DECODE_STEPS + 1, "ignore_eos": True})
         engine.step()  # the prefill
         for _ in range(DECODE_STEPS):
             times.append(engine.step().record.duration)  # the step ends with its sampled tokens on the host
     step = statistics.median(times[2:])
-    return BenchRow(
-        "hf-decode" if job.hf else "slotserve-decode",
-        "decode step",
-        job.slots,
-        job.slots / step,
-        _peak_mem_mb(device),
-        step,
-        job.slots,
-        job.dtype,
-    )
+    system = "hf-decode" if job.hf else "slotserve-decode"
+    return [BenchRow(system, "decode step", job.slots, job.slots / step, _peak_mem_mb(device), step, job.slots, dtype)]
 
 
-def run_job(job: Job) -> BenchRow:
+RUNS = {
+    "engine": _engine_run,
+    "vllm": _vllm,
+    "hf-static": _hf_static,
+    "hf-continuous": _hf_continuous,
+    "decode": _decode_step,
+    "decode1": _decode1,
+}
+
+
+def run_job(job: Job) -> list[BenchRow]:
     import torch
 
     torch.manual_seed(0)
-    return {"engine": _engine_run, "hf-static": _hf_static, "hf-continuous": _hf_continuous, "decode": _decode_step}[
-        job.kind
-    ](job)
+    return RUNS[job.kind](job)
 
 
-def hardware_roofline(path: Path) -> float | None:
-    """The compute roofline (tokens/s) that benchmarks/hardware.py wrote into HARDWARE.md."""
-    if not path.exists():
-        return None
-    match = re.search(r"compute roof[^*]*\*\*(\d+(?:\.\d+)?) tokens/s\*\*", path.read_text())
-    return float(match.group(1)) if match else None
+def default_dtypes(device: str) -> list[str]:
+    """fp32, and bf16 where it has fast matrix units (a GPU, or a CPU with AVX512_BF16 or AMX)."""
+    from replica.config import resolve_dtype
+
+    auto = resolve_dtype("auto", device)
+    return ["float32"] + (["bfloat16"] if auto == "bfloat16" else [])
 
 
 def plan(args: argparse.Namespace) -> list[Job]:
-    common = {"model": args.model, "dtype": args.dtype, "device": args.device, "num_requests": args.requests}
-    jobs = [Job("engine", policy=p, slots=s, **common) for p in args.policies for s in args.slots]
-    if args.peers:
-        jobs += [Job("hf-static", **common)]
+    from replica.model_runner import pick_device
+
+    common = {"model": args.model, "device": args.device, "num_requests": args.requests}
+    jobs = []
+    for dtype in args.dtypes:
+        jobs += [Job("engine", dtype=dtype, policy=p, slots=s, **common) for p in args.policies for s in args.slots]
+    if args.int8_rows:  # at the most slots only: int8 pays in the small-batch tail, which every slot count shares
         jobs += [
-            Job("hf-continuous", slots=max(args.slots), cb_settings=tuple(c.items()), **common) for c in HF_CB_GRID
+            Job("engine", dtype="bfloat16", policy=p, slots=max(args.slots), int8_rows=args.int8_rows, **common)
+            for p in args.policies
         ]
+    jobs += [Job("decode1", dtype=d, **common) for d in args.dtypes]
+    if args.int8_rows:
+        jobs += [Job("decode1", dtype="bfloat16", int8_rows=args.int8_rows, **common)]
+    if args.vllm and pick_device(args.device) == "cpu":  # vLLM's CPU build is the peer of a CPU run only
+        jobs += [
+            Job("vllm", dtype=d, binding=b, slots=max(args.slots), **common)
+            for b in ("all", "auto")
+            for d in ("bfloat16", "float32")
+        ]
+    if args.peers:
+        jobs += [Job("hf-static", dtype="auto", **common)]
+        jobs += [
+            Job("hf-continuous", dtype=d, slots=max(args.slots), cb_settings=tuple(c.items()), **common)
+            for d in args.dtypes
+            for c in HF_CB_GRID
+        ]
+        jobs += [Job("decode1", dtype=d, hf=True, **common) for d in args.dtypes]
     for s in args.decode_batches:
-        jobs += [Job("decode", slots=s, **common), Job("decode", slots=s, hf=True, **common)]
-    if args.bf16:
-        pair = {
-            **common,
-            "num_requests": args.bf16_requests,
-            "policy": "continuous",
-            "slots": max(args.slots),
-            "tag": "bf16",
-        }
-        jobs += [Job("engine", **{**pair, "dtype": "float32"}), Job("engine", **{**pair, "dtype": "bfloat16"})]
+        jobs += [
+            Job("decode", dtype="auto", slots=s, **common),
+            Job("decode", dtype="auto", slots=s, hf=True, **common),
+        ]
     return jobs
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Every row in turn; a row that fails is kept with its error (a peer's API may differ
-    between transformers versions) and the JSON is rewritten after each row, so a run cut
-    short still leaves what it measured."""
+    """Probe the roofs, then every row in turn; a row that fails is kept with its error (a peer's
+    API may differ between versions, vLLM's environment may be missing) and the JSON is rewritten
+    after each row, so a run cut short still leaves what it measured."""
+    from peers.roofline import probe
+    from replica.cpu import cpu_info
+    from replica.model_runner import pick_device
+
+    print(f"CPU: {cpu_info().describe()}", flush=True)
+    args.dtypes = args.dtypes or default_dtypes(pick_device(args.device))
+    roof = probe(quick=True)
+    print(
+        f"roofs here: fp32 {roof.fp32_flops / 1e9:.0f} GFLOP/s, bf16 {roof.bf16_flops / 1e9:.0f} GFLOP/s, "
+        f"read {roof.read_bytes_per_s / 1e9:.1f} GB/s, copy {roof.copy_bytes_per_s / 1e9:.1f} GB/s",
+        flush=True,
+    )
     rows: list[BenchRow] = []
     # One fresh process per row (spawned, so no torch state is inherited): peak memory is the row's own.
     with ProcessPoolExecutor(
@@ -308,23 +398,16 @@ def run(args: argparse.Namespace) -> dict:
     ) as pool:
         for job in tqdm(plan(args), desc="bench", unit="row"):
             try:
-                rows.append(pool.submit(run_job, job).result())
+                rows += pool.submit(run_job, job).result()
             except Exception as err:  # noqa: BLE001 - reported in the row, the other rows still run
-                rows.append(
-                    BenchRow(
-                        job.kind,
-                        job.policy,
-                        job.slots,
-                        0.0,
-                        0.0,
-                        dtype=job.dtype,
-                        tag=job.tag,
-                        error=f"{type(err).__name__}: {err}"[:300],
-                    )
-                )
+                system = {"engine": "slotserve", "decode": "slotserve-decode"}.get(job.kind, job.kind)
+                described = job.policy or job.binding or " ".join(f"{k}={v}" for k, v in job.cb_settings)
+                failed = BenchRow(system, described, job.slots, 0.0, 0.0, dtype=job.dtype, weights=_weights(job))
+                failed.error = f"{type(err).__name__}: {err}"[:300]
+                rows.append(failed)
             if args.json:
-                write_json(summarize(rows, args), args.json)
-    return summarize(rows, args)
+                write_json(summarize(rows, args, roof), args.json)
+    return summarize(rows, args, roof)
 
 
 def write_json(result: dict, path: str) -> None:
@@ -332,58 +415,129 @@ def write_json(result: dict, path: str) -> None:
     Path(path).write_text(json.dumps(result, indent=2))
 
 
-def _best(rows: list[BenchRow], system: str, dtype: str) -> BenchRow | None:
-    found = [r for r in rows if r.system == system and r.dtype == dtype and not r.tag and not r.error]
+def _best(rows: list[BenchRow], system: str, engine: str = "") -> BenchRow | None:
+    found = [r for r in rows if r.system == system and r.engine == engine and not r.error]
     return max(found, key=lambda r: r.useful_tokens_per_s) if found else None
 
 
-def summarize(rows: list[BenchRow], args: argparse.Namespace) -> dict:
+def agreement(rows: list[BenchRow]) -> list[dict]:
+    """For each slotserve setting other than fp32 (and each vLLM run), the share of requests whose
+    greedy tokens equal slotserve's fp32 run at the same policy and slots (vLLM: the fp32 run
+    with the most slots, under its own scheduler)."""
+    fp32 = {(r.policy, r.slots): r for r in rows if r.system == "slotserve" and r.variant == "float32" and not r.error}
+    out = []
+    for r in rows:
+        if r.error or not r.outputs or (r.system == "slotserve" and r.variant == "float32"):
+            continue
+        ref = (
+            fp32.get((r.policy, r.slots))
+            if r.system == "slotserve"
+            else max(fp32.values(), key=lambda x: x.slots, default=None)
+        )
+        if ref is None:
+            continue
+        same = sum(a == b for a, b in zip(r.outputs, ref.outputs))
+        out.append(
+            {
+                "system": r.system,
+                "setting": r.variant if r.system == "slotserve" else f"{r.dtype}, {r.policy.split(',')[0]}",
+                "policy": ref.policy,
+                "slots": ref.slots,
+                "identical": same,
+                "requests": len(ref.outputs),
+                "share": same / len(ref.outputs),
+            }
+        )
+    return out
+
+
+def summarize(rows: list[BenchRow], args: argparse.Namespace, roof) -> dict:
     from replica.model_runner import pick_device
 
-    on_cpu = pick_device(args.device) == "cpu"  # HARDWARE.md's roofline is this CPU's
-    roofline = args.roofline or (hardware_roofline(Path(args.hardware)) if on_cpu else None)
-    pair = [r for r in rows if r.tag == "bf16" and not r.error]
+    on_cpu = pick_device(args.device) == "cpu"
+    params = _params_per_token(args.model)
     result: dict = {
         "model": args.model,
         "workload": f"saturated ({args.requests} requests)",
-        "roofline_tokens_per_s": roofline,
+        "machine": roof.to_dict(),
+        "params_per_token": params,
         "rows": [],
     }
-    engine_rows = [r for r in rows if r.system == "slotserve" and not r.tag and not r.error]
-    best = max(engine_rows, key=lambda r: r.useful_tokens_per_s) if engine_rows else None
+    if on_cpu:
+        result["roofline_tokens_per_s"] = {d: roof.compute_tokens_per_s(params, d) for d in ("float32", "bfloat16")}
+        result["memory_roof_batch1_tokens_per_s"] = {
+            d: roof.memory_tokens_per_s(params, d) for d in ("float32", "bfloat16", "int8")
+        }
     for r in rows:
         d = asdict(r)
         d.pop("outputs")
         if r.system == "slotserve-decode":
             peer = next((p for p in rows if p.system == "hf-decode" and p.slots == r.slots and not p.error), None)
             d["ratio_to_hf_decode"] = r.useful_tokens_per_s / peer.useful_tokens_per_s if peer else None
-            d["pct_of_roofline"] = 100 * r.useful_tokens_per_s / roofline if roofline else None
+            if on_cpu:
+                d["pct_of_roofline"] = 100 * r.useful_tokens_per_s / roof.compute_tokens_per_s(params, r.dtype)
         result["rows"].append(d)
+    best = _best(rows, "slotserve")
     if best is not None:
         result["best_slotserve"] = {
             "policy": best.policy,
             "slots": best.slots,
+            "setting": best.variant,
             "useful_tokens_per_s": best.useful_tokens_per_s,
         }
-        for peer in ("hf-static", "hf-continuous"):
-            if (p := _best(rows, peer, best.dtype)) is not None:
+        for peer in ("vllm", "hf-continuous", "hf-static"):
+            if (p := _best(rows, peer)) is not None:
                 result[f"ratio_to_{peer}"] = best.useful_tokens_per_s / p.useful_tokens_per_s
-    if len(pair) == 2:
-        fp32, bf16 = pair
-        same = sum(a == b for a, b in zip(fp32.outputs, bf16.outputs))
-        result["bf16"] = {
-            "speedup_over_fp32": bf16.useful_tokens_per_s / fp32.useful_tokens_per_s,
-            "identical_greedy_share": same / len(fp32.outputs),
-            "requests": len(fp32.outputs),
-        }
+                result[f"best_{peer}"] = {
+                    "setting": f"{p.variant}, {p.policy}",
+                    "useful_tokens_per_s": p.useful_tokens_per_s,
+                }
+    single = _best(rows, "decode1", "slotserve")
+    if single is not None:
+        result["decode1"] = {"slotserve": single.useful_tokens_per_s, "slotserve_setting": single.variant}
+        for peer in ("vllm", "transformers"):
+            if (p := _best(rows, "decode1", peer)) is not None:
+                result["decode1"][f"ratio_to_{peer}"] = single.useful_tokens_per_s / p.useful_tokens_per_s
+                result["decode1"][peer] = p.useful_tokens_per_s
+        if on_cpu:
+            weights = "int8" if single.weights else single.dtype  # int8 copies serve batch 1 where used
+            result["decode1"]["pct_of_memory_roof"] = (
+                100 * single.useful_tokens_per_s / roof.memory_tokens_per_s(params, weights)
+            )
+    result["greedy_agreement_vs_fp32"] = agreement(rows)
     return result
 
 
+def _params_per_token(model: str) -> int:
+    """Weights one token multiplies through, from the model's config (no weights loaded)."""
+    from transformers import AutoConfig, GPT2Config
+
+    from replica.model import ModelShape
+    from replica.model_loader import resolve_model_dir
+
+    path = resolve_model_dir(model)
+    config = (
+        GPT2Config(n_positions=1024, n_embd=768, n_layer=12, n_head=12)
+        if path is None
+        else AutoConfig.from_pretrained(path)
+    )
+    return ModelShape.from_hf_config(config).num_params_per_token
+
+
 def format_bench(result: dict) -> str:
+    m = result["machine"]
     lines = [
-        f"{result['model']}, {result['workload']}; roofline {result['roofline_tokens_per_s'] or '?'} tokens/s",
-        f"{'system':18} {'policy / settings':58} {'slots':>5} {'dtype':>8} {'useful tok/s':>12} "
-        f"{'peak MB':>8}  vs peer",
+        f"{result['model']}, {result['workload']}",
+        f"CPU: {m['cpu']}; flags: {m['flags']}; {m['threads']} torch threads",
+        f"roofs measured here: fp32 {m['fp32_flops'] / 1e9:.0f} GFLOP/s, bf16 {m['bf16_flops'] / 1e9:.0f} GFLOP/s, "
+        f"read {m['read_bytes_per_s'] / 1e9:.1f} GB/s"
+        + (
+            "; decode roofline (compute) "
+            + ", ".join(f"{d} {v:.0f} tok/s" for d, v in result["roofline_tokens_per_s"].items())
+            if "roofline_tokens_per_s" in result
+            else ""
+        ),
+        f"{'system':17} {'policy / settings':74} {'slots':>5} {'dtype':>15} {'useful tok/s':>12} {'peak MB':>8}  note",
     ]
     for r in result["rows"]:
         note = ""
@@ -392,22 +546,35 @@ def format_bench(result: dict) -> str:
             note = (f"{ratio:.2f}x hf decode" if ratio else "") + (f", {pct:.0f}% of roofline" if pct else "")
         if r["error"]:
             note = f"FAILED: {r['error']}"
+        system = f"decode1:{r['engine']}" if r["system"] == "decode1" else r["system"]
+        variant = r["dtype"] + (f"+{r['weights']}" if r["weights"] else "")
         lines.append(
-            f"{r['system']:18} {r['policy']:58} {r['slots']:5d} {r['dtype']:>8} "
+            f"{system:17} {r['policy'][:74]:74} {r['slots']:5d} {variant:>15} "
             f"{r['useful_tokens_per_s']:12.1f} {r['peak_mem_mb']:8.0f}  {note}"
         )
     if "best_slotserve" in result:
         b = result["best_slotserve"]
         lines.append(
-            f"best slotserve: {b['policy']} at {b['slots']} slots, {b['useful_tokens_per_s']:.1f} tok/s"
-            + "".join(
-                f"; {result[k]:.2f}x {k[9:]}" for k in ("ratio_to_hf-continuous", "ratio_to_hf-static") if k in result
-            )
+            f"best slotserve ({b['policy']}, {b['slots']} slots, {b['setting']}): {b['useful_tokens_per_s']:.1f} tok/s"
         )
-    if "bf16" in result:
-        b = result["bf16"]
+        for peer, target in (("vllm", 1.2), ("hf-continuous", 3.0), ("hf-static", None)):
+            if f"ratio_to_{peer}" in result:
+                p = result[f"best_{peer}"]
+                lines.append(
+                    f"  {result[f'ratio_to_{peer}']:.2f}x {peer} best ({p['setting'][:60]}: "
+                    f"{p['useful_tokens_per_s']:.1f} tok/s)" + (f"  target >= {target}x" if target else "")
+                )
+    if "decode1" in result:
+        d = result["decode1"]
         lines.append(
-            f"bf16 vs fp32 (continuous, {b['requests']} requests): speed {b['speedup_over_fp32']:.2f}x, "
-            f"identical greedy outputs {b['identical_greedy_share']:.0%}"
+            f"single-stream decode (batch 1): slotserve {d['slotserve']:.1f} tok/s ({d['slotserve_setting']})"
+            + "".join(f"; {d[f'ratio_to_{p}']:.2f}x {p} ({d[p]:.1f})" for p in ("vllm", "transformers") if p in d)
+            + (f"; {d['pct_of_memory_roof']:.0f}% of the batch-1 memory roof" if "pct_of_memory_roof" in d else "")
+            + "  target >= 1.2x vllm"
+        )
+    for a in result["greedy_agreement_vs_fp32"]:
+        lines.append(
+            f"greedy agreement vs slotserve fp32 ({a['policy']}, {a['slots']} slots): {a['system']} {a['setting']}: "
+            f"{a['identical']}/{a['requests']} requests identical ({a['share']:.0%})"
         )
     return "\n".join(lines)

@@ -10,7 +10,11 @@ from dataclasses import dataclass, field, replace
 @dataclass(frozen=True)
 class LoadReport:
     """What a replica says about its load at a step boundary; `time` is when it took the
-    report (its clock). `queue_depth` counts submissions not yet in the engine's queue too."""
+    report (its clock). `queue_depth` counts submissions not yet in the engine's queue too.
+    The work fields count the engine's requests (queued and running): `prefill_tokens_pending`
+    prompt tokens not computed yet, `decode_tokens_made` output tokens made so far, and
+    `tokens_made` the same per request id (a router that reserved an expected output length
+    per request releases it by this)."""
 
     replica_id: str
     queue_depth: int
@@ -19,6 +23,9 @@ class LoadReport:
     num_slots: int
     free_kv_tokens: int
     time: float
+    prefill_tokens_pending: int = 0
+    decode_tokens_made: int = 0
+    tokens_made: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -44,3 +51,39 @@ class StreamEvent:
 
     def stamped(self, received: float) -> StreamEvent:
         return replace(self, received=received)
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """A replica's answer to a health check. `healthy` is False when its step loop raised
+    (`loop_error`) or has been inside one step, with work waiting, for longer than its stall
+    limit (`last_step_age`): an actor that still answers calls is not enough. `attached` says
+    whether it knows its router (a replica Ray restarted does not, until the router attaches it
+    again); `draining` that it admits nothing new."""
+
+    replica_id: str
+    healthy: bool
+    reason: str | None
+    last_step_age: float
+    loop_error: str | None
+    running: int
+    queued: int
+    subscribers: int
+    draining: bool
+    attached: bool
+    time: float
+
+
+@dataclass(frozen=True)
+class MigrationRecord:
+    """One move of a request to another replica after the one serving it was lost or drained:
+    the new replica prefills the prompt and the `tokens_carried` tokens already delivered, then
+    continues, so the client's stream has no gap and no duplicate. `to_replica` is None when no
+    replica could take it (the request then ends with an error)."""
+
+    request_id: str
+    from_replica: str
+    to_replica: str | None
+    tokens_carried: int
+    reason: str
+    time: float

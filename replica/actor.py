@@ -4,46 +4,93 @@ It streams tokens straight to each client (one Ray streaming generator per clien
 message per step), tells the router its load and each completion through the handle it is
 given, and pushes step samples to the metrics store in bounded batches. It knows the router
 and the store only as handles: `replica` imports neither package.
+
+Client streams are bounded, because Ray runs at most 1,000 calls of an async actor at once and
+each open stream holds one: at most `max_subscribers` streams are open (a new one first ends
+the stream idle longest, and is refused with OverloadedError if every one has requests in
+flight), a stream with nothing in flight ends after `subscriber_idle_timeout`, and a client
+that stops reading (its outbox past MAX_OUTBOX step messages) has its requests aborted. A
+client whose stream ended simply opens a new one when it next submits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
+import os
+import resource
 import time
+from collections import deque
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import ray
 
-from protocol.errors import SlotServeError
-from protocol.messages import LoadReport, StreamEvent
+from protocol.backlog import StoreBacklog
+from protocol.errors import OverloadedError, SlotServeError
+from protocol.messages import HealthReport, LoadReport, StreamEvent
+from protocol.telemetry import ReplicaTelemetry
 from replica.engine import RequestOutput, StepRecord
+from replica.errors import InvalidRequestError
+from replica.request import FinishReason, validate_prompt, validate_request_id
 from replica.serving import AsyncEngine, ReplicaConfig, build_engine, report_due
 
 STEP_BATCH = 64  # step samples per store write
+MAX_OUTBOX = 4096  # step messages waiting for a client that does not read; past it its requests are aborted
+SWEEP_INTERVAL = 5.0  # seconds between checks for idle client streams
+
+
+@dataclass
+class _Subscriber:
+    """One client's stream: step messages not yet sent, the requests of its in flight here,
+    and which stream is current (a client that reconnects supersedes its old stream, which
+    then ends; the messages wait in the outbox meanwhile)."""
+
+    outbox: deque = field(default_factory=deque)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    requests: set[str] = field(default_factory=set)
+    stream: int = 0  # generation of the current stream; 0: none open
+    last_active: float = field(default_factory=time.monotonic)
 
 
 @ray.remote
 class ReplicaActor:
-    def __init__(self, replica_id: str, config: dict[str, Any]):
+    def __init__(self, replica_id: str, config: dict[str, Any], telemetry: Any = None):
         self.replica_id = replica_id
         self.config = ReplicaConfig.model_validate(config)
         self.serving = AsyncEngine(
-            build_engine(self.config), self._on_step, self._on_finish, self._on_load, replica_id=replica_id
+            build_engine(self.config),
+            self._on_step,
+            self._on_finish,
+            self._on_load,
+            replica_id=replica_id,
+            max_queue=self.config.max_queue,
+            stall_timeout=self.config.stall_timeout,
         )
+        # live metrics: `telemetry(replica_id, engine)` builds the exporter it is given (cluster.telemetry)
+        self.telemetry = telemetry(replica_id, self.serving.engine) if telemetry else ReplicaTelemetry()
         self.router = None
         self.store = None
         self.run_id: int | None = None
-        self._steps: list[StepRecord] = []
+        self._steps: StoreBacklog[StepRecord] = StoreBacklog(self._send_steps, STEP_BATCH)
         self._pending: dict[str, list[StreamEvent]] = {}  # this step's events, per subscriber
-        self._outboxes: dict[str, asyncio.Queue] = {}
+        self._subscribers: dict[str, _Subscriber] = {}
+        self._owner: dict[str, str] = {}  # request id -> subscriber, for requests held here
+        self._streams = 0  # generations handed out
+        self._sweeper: asyncio.Task | None = None
         self._last_report = 0.0
 
-    def attach(self, router=None, store=None) -> None:
-        """Given after creation, since the router is made from the replicas' handles. The
-        first load report goes out now, so the router knows this replica's free slots."""
+    def attach(self, router=None, store=None, run_id: int | None = None) -> None:
+        """Given after creation, since the router is made from the replicas' handles (and
+        again by the router when Ray has restarted this replica). The first load report goes
+        out now, so the router knows this replica's free slots."""
         self.router, self.store = router, store
+        if run_id is not None:
+            self.run_id = run_id
         self._last_report = 0.0
         self._on_load(self.serving.load())
 
@@ -52,13 +99,48 @@ class ReplicaActor:
         return {
             "replica_id": self.replica_id,
             "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
             "policy": engine.config.policy,
             "model": engine.config.model,
             "num_slots": engine.config.num_slots,
             "vocab_size": engine.runner.vocab_size,
+            "max_request_tokens": engine.scheduler.slots.max_request_tokens,  # context limit (HTTP ingress)
             "fake_step_seconds": self.config.fake_step_seconds,
+            "config": self.config.model_dump(),
             "load": self.serving.load(),
+            "health": self.health(),
+            "peak_queued": self.serving.peak_queued,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "rejected": self.serving.rejected,
+            "steps_waiting": self._steps.waiting,  # step records not yet written to the store
+            "steps_dropped": self._steps.dropped,  # past the backlog's bound (protocol.backlog)
+            "steps_failed": self._steps.failed,  # in writes the store refused
+            "telemetry": self.telemetry.snapshot(),
         }
+
+    def health(self) -> HealthReport:
+        h = self.serving.health()
+        return HealthReport(
+            self.replica_id,
+            h.healthy,
+            h.reason,
+            h.last_step_age,
+            h.loop_error,
+            h.running,
+            h.queued,
+            sum(s.stream > 0 for s in self._subscribers.values()),
+            h.draining,
+            self.router is not None,
+            time.time(),
+        )
+
+    async def drain(self, timeout: float) -> dict[str, int]:
+        """Admit nothing new, let held requests finish within `timeout` seconds, hand the rest
+        back to their clients for migration, and flush step samples. Returns the counts."""
+        counts = await self.serving.drain(timeout)
+        await asyncio.sleep(0.05)  # let the last step messages go out before the caller stops us
+        await self.flush()
+        return counts
 
     async def submit(
         self,
@@ -67,28 +149,99 @@ class ReplicaActor:
         params: dict | None,
         request_id: str,
         arrival_time: float | None = None,
+        resume: tuple[list[int], str] | None = None,
     ) -> None:
-        """Queue a request whose events go to `subscriber`'s stream (see `events`). A refused
-        request raises its InvalidRequestError here, and the router is told it is done."""
+        """Queue a request whose events go to `subscriber`'s stream (see `events`); `resume`
+        continues one another replica started. A refused request raises its typed error here
+        (InvalidRequestError, OverloadedError, DrainingError), and the router is told it is done."""
+        _check_arguments(subscriber, prompt, request_id, arrival_time)
+        if request_id in self._owner:  # refused without telling the router: the one running is its
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running here")
+        sub = self._subscribers.setdefault(subscriber, _Subscriber())
+        sub.requests.add(request_id)
+        sub.last_active = time.monotonic()
+        self._owner[request_id] = subscriber
         try:
-            await self.serving.submit(prompt, params, request_id, arrival_time, partial(self._collect, subscriber))
-        except SlotServeError:
-            if self.router is not None:
-                self.router.complete.remote(request_id)
+            await self.serving.submit(
+                prompt, params, request_id, arrival_time, partial(self._collect, subscriber), resume
+            )
+            self.telemetry.on_submit(request_id)
+        except BaseException as err:
+            sub.requests.discard(request_id)
+            self._owner.pop(request_id, None)
+            if isinstance(err, SlotServeError):
+                self.telemetry.on_reject(request_id)
+            if isinstance(err, SlotServeError) and self.router is not None:
+                self.router.complete.remote(request_id, replica_id=self.replica_id)
             raise
 
     async def events(self, subscriber: str) -> AsyncIterator[list[StreamEvent]]:
         """The subscriber's event stream: one message per step, holding every token that step
         made for any of the subscriber's requests. Batching per step, not per token, keeps the
         cost of streaming through Ray flat as batches grow (like vLLM's per-step outputs)."""
-        outbox = self._outboxes.setdefault(subscriber, asyncio.Queue())
-        while (batch := await outbox.get()) is not None:
-            yield batch
-        del self._outboxes[subscriber]
+        if not isinstance(subscriber, str) or not subscriber:
+            raise InvalidRequestError("subscriber", f"must be a non-empty string, got {subscriber!r:.80}")
+        self._start_sweeper()
+        sub = self._subscribers.get(subscriber)
+        if sub is None or sub.stream == 0:
+            self._make_room()
+        sub = self._subscribers.setdefault(subscriber, _Subscriber())
+        self._streams += 1
+        generation = sub.stream = self._streams
+        sub.wake.set()  # a superseded stream of this subscriber wakes and ends
+        sub.last_active = time.monotonic()
+        while sub.stream == generation:
+            if sub.outbox:
+                sub.last_active = time.monotonic()
+                yield sub.outbox.popleft()
+                continue
+            sub.wake.clear()
+            await sub.wake.wait()
 
     def close_events(self, subscriber: str) -> None:
-        """End the subscriber's stream (the client is going away)."""
-        self._outboxes.setdefault(subscriber, asyncio.Queue()).put_nowait(None)
+        """The client is going away: abort its requests here and end its stream."""
+        sub = self._subscribers.get(subscriber)
+        if sub is None:
+            return
+        for request_id in list(sub.requests):
+            self.serving.abort(request_id)
+        self._end_stream(subscriber, sub)
+
+    def _end_stream(self, subscriber: str, sub: _Subscriber) -> None:
+        sub.stream = 0
+        sub.wake.set()
+        if not sub.requests:
+            self._subscribers.pop(subscriber, None)
+
+    def _make_room(self) -> None:
+        """Before a new stream opens: if `max_subscribers` are open, end the one idle longest
+        (nothing in flight); if every one has requests in flight, refuse the newcomer."""
+        open_streams = [(s.last_active, name) for name, s in self._subscribers.items() if s.stream > 0]
+        if len(open_streams) < self.config.max_subscribers:
+            return
+        idle = sorted((t, name) for t, name in open_streams if not self._subscribers[name].requests)
+        if not idle:
+            raise OverloadedError(
+                self.replica_id,
+                self.config.max_subscribers,
+                self.serving.retry_after(1),
+                "client streams, each with requests in flight",
+            )
+        name = idle[0][1]
+        self._end_stream(name, self._subscribers[name])
+
+    def _start_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """End streams idle past `subscriber_idle_timeout` (a client that never closed them)."""
+        while True:
+            await asyncio.sleep(min(SWEEP_INTERVAL, self.config.subscriber_idle_timeout / 2))
+            limit = time.monotonic() - self.config.subscriber_idle_timeout
+            for name, sub in list(self._subscribers.items()):
+                if not sub.requests and sub.last_active < limit:
+                    self._end_stream(name, sub)
 
     def _collect(self, subscriber: str, out: RequestOutput) -> None:
         self._pending.setdefault(subscriber, []).append(
@@ -103,57 +256,91 @@ class ReplicaActor:
                 out.error,
             )
         )
+        if out.finished:
+            self._owner.pop(out.request_id, None)
+            if (sub := self._subscribers.get(subscriber)) is not None:
+                sub.requests.discard(out.request_id)
         if len(self._pending) == 1 and len(self._pending[subscriber]) == 1:
             # The step's other outputs are delivered in this same loop iteration: send them together.
             asyncio.get_running_loop().call_soon(self._send_pending)
 
     def _send_pending(self) -> None:
         for subscriber, batch in self._pending.items():
-            self._outboxes.setdefault(subscriber, asyncio.Queue()).put_nowait(batch)
+            sub = self._subscribers.setdefault(subscriber, _Subscriber())
+            sub.outbox.append(batch)
+            sub.wake.set()
+            if len(sub.outbox) > MAX_OUTBOX:  # nobody reads it: stop computing for it
+                self.close_events(subscriber)
+                sub.outbox.clear()
         self._pending = {}
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, subscriber: str, request_id: str) -> bool:
+        """Cancel one of `subscriber`'s requests (no other client's); returns whether it was there."""
+        if self._owner.get(request_id) != subscriber:
+            return False
         self.serving.abort(request_id)
+        return True
 
     async def set_run(self, run_id: int | None) -> None:
         """Tag step samples from now on with this run (flushing the previous run's); its
         requests are still to come."""
         await self.flush()
         self.run_id = run_id
+        self.telemetry.set_run(run_id)
         self.serving.set_arrivals_done(False)
 
     def set_arrivals_done(self, done: bool) -> None:
         """The driver says whether more requests may come before a running one ends."""
         self.serving.set_arrivals_done(done)
 
-    async def flush(self) -> int:
+    async def flush(self) -> None:
         """Push buffered step samples to the store and wait until they are written."""
-        records, self._steps = self._steps, []
-        if records and self.store is not None and self.run_id is not None:
-            await self.store.add_step_records.remote(self.run_id, self.replica_id, self._num_slots, records)
-        return len(records)
+        while self.store is not None and (write := self._steps.pump(force=True)) is not None:
+            with contextlib.suppress(Exception):  # a refused write is counted by the backlog
+                await asyncio.wrap_future(write)
+
+    def _send_steps(self, records: list[StepRecord]) -> Future:
+        """One store write of step records (see protocol.backlog: at most one in flight)."""
+        return self.store.add_step_records.remote(self.run_id, self.replica_id, self._num_slots, records).future()
 
     # ---- callbacks from the serving loop --------------------------------------------------
     def _on_step(self, record: StepRecord) -> None:
+        self.telemetry.on_step(record)
         if self.run_id is None:
             return
-        self._steps.append(record)
-        if len(self._steps) >= STEP_BATCH and self.store is not None:
-            records, self._steps = self._steps, []
-            # fire and forget: never stall the loop
-            self.store.add_step_records.remote(self.run_id, self.replica_id, self._num_slots, records)
+        if self.store is not None:
+            self._steps.add([record])  # never waits on the store (protocol.backlog)
 
     def _on_finish(self, output: RequestOutput) -> None:
+        self.telemetry.on_finish(output)
         if self.router is not None:
-            self.router.complete.remote(output.request_id)
+            # Only a natural end says how long the output was; a cut-short one would teach a
+            # length estimate a length the request never had.
+            natural = output.finish_reason in (FinishReason.EOS, FinishReason.STOP, FinishReason.LENGTH)
+            output_len = output.num_output_tokens if natural else None
+            self.router.complete.remote(output.request_id, replica_id=self.replica_id, output_len=output_len)
 
     @property
     def _num_slots(self) -> int:
         return self.serving.engine.config.num_slots
 
     def _on_load(self, load: LoadReport) -> None:
+        self.telemetry.on_load(load)
         now = time.monotonic()
         if self.router is None or not report_due(load, now - self._last_report):
             return
         self._last_report = now
         self.router.report.remote(load)
+
+
+def _check_arguments(subscriber: Any, prompt: Any, request_id: Any, arrival_time: Any) -> None:
+    """What a caller that skipped the client's checks could send wrong (the engine checks the
+    sampling parameters and the prompt against its vocabulary and limits)."""
+    if not isinstance(subscriber, str) or not subscriber:
+        raise InvalidRequestError("subscriber", f"must be a non-empty string, got {repr(subscriber)[:80]}")
+    validate_request_id(request_id)
+    validate_prompt(prompt)
+    if arrival_time is not None and (
+        not isinstance(arrival_time, (int, float)) or isinstance(arrival_time, bool) or not math.isfinite(arrival_time)
+    ):
+        raise InvalidRequestError("arrival_time", f"must be a finite number of seconds, got {repr(arrival_time)[:80]}")

@@ -1,11 +1,14 @@
-"""Batched attention over ragged sequences held in the slot cache, without copying K/V.
+"""Batched attention over ragged sequences held in the slot cache.
 
 The rows of a step are split into groups (decodes, prefill chunks); for each group the
-queries are laid out padded by slot, [slots, kv_heads, group * q_max, head_dim], so one
-scaled_dot_product_attention call reads the cache's own slot rows as a view. Grouped-query
-heads are folded into the query length, so K/V are never repeated per query head. A
-boolean mask lets query (slot, i) see keys 0..position(slot, i); padding rows see key 0 and
-are discarded.
+queries are laid out padded by sequence, [seqs, kv_heads, group * q_max, head_dim], and one
+scaled_dot_product_attention call reads K/V up to the group's longest live position (never a
+slot's whole max_seq_len). Where the group's slots fill a contiguous range, K/V are the cache's
+own slot rows as a view; where they are scattered (a few long requests left in a big cache),
+only those slots' live ranges are gathered, so attention does not scan the empty slots between
+them. Grouped-query heads are folded into the query length, so K/V are never repeated per query
+head. A boolean mask lets query (seq, i) see keys 0..position(seq, i); padding rows see key 0
+and are discarded.
 """
 
 from __future__ import annotations
@@ -15,17 +18,27 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# Gather a group's slots when the slot range it spans is more than this many times its slot count.
+GATHER_SPREAD = 2
+
 
 @dataclass
 class AttentionGroup:
     token_idx: torch.Tensor  # rows of the flat batch in this group
-    q_row: torch.Tensor  # slot - slot_lo of each of those rows
+    q_row: torch.Tensor  # sequence (0..seqs-1) of each of those rows
     q_off: torch.Tensor  # offset of each row within its sequence's chunk
-    slot_lo: int
+    slot_lo: int  # K/V: the slot range [slot_lo, slot_hi) as a view, or, where kv_slots is set, those slots
     slot_hi: int
     q_max: int
     kv_len: int
-    mask: torch.Tensor  # [slots, 1, q_per_kv * q_max, kv_len]
+    mask: torch.Tensor | None  # [seqs, 1, q_per_kv * q_max, kv_len]; None: every query sees every key
+    kv_slots: torch.Tensor | None = None  # [seqs] slots to gather (scattered groups only)
+    # Decodes, one row per sequence: the group's rows in sequence order (no padded query layout).
+    seq_rows: torch.Tensor | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.slot_hi - self.slot_lo if self.kv_slots is None else len(self.kv_slots)
 
 
 @dataclass
@@ -40,14 +53,29 @@ def build_group(
 ) -> AttentionGroup:
     """One group from per-row slot, offset within the chunk, and absolute position."""
     lo, hi = min(slots), max(slots) + 1
+    distinct = sorted(set(slots))
+    gather = hi - lo > GATHER_SPREAD * len(distinct)
+    seq_of = {s: n for n, s in enumerate(distinct)} if gather else {s: s - lo for s in distinct}
+    num_seqs = len(distinct) if gather else hi - lo
     q_max, kv_len = max(offsets) + 1, max(positions) + 1
-    row = torch.tensor([s - lo for s in slots], device=device)
+    row = torch.tensor([seq_of[s] for s in slots], device=device)
     off = torch.tensor(offsets, device=device)
-    last_key = torch.zeros(hi - lo, q_max, dtype=torch.long, device=device)
+    last_key = torch.zeros(num_seqs, q_max, dtype=torch.long, device=device)
     last_key[row, off] = torch.tensor(positions, device=device)
-    mask = torch.arange(kv_len, device=device) <= last_key.unsqueeze(-1)  # [slots, q_max, kv_len]
-    mask = mask.repeat(1, q_per_kv, 1).unsqueeze(1)
-    return AttentionGroup(torch.tensor(token_idx, device=device), row, off, lo, hi, q_max, kv_len, mask)
+    kv_slots = torch.tensor(distinct, device=device) if gather else None
+    one_per_seq = q_max == 1 and len(slots) == num_seqs
+    seq_rows = None
+    if one_per_seq:
+        by_seq = sorted(range(len(slots)), key=lambda i: seq_of[slots[i]])
+        seq_rows = torch.tensor([token_idx[i] for i in by_seq], device=device)
+    if one_per_seq and len(set(positions)) == 1:  # every query's keys are the whole range: no mask
+        mask = None
+    else:
+        mask = torch.arange(kv_len, device=device) <= last_key.unsqueeze(-1)  # [seqs, q_max, kv_len]
+        mask = mask.repeat(1, q_per_kv, 1).unsqueeze(1)
+    return AttentionGroup(
+        torch.tensor(token_idx, device=device), row, off, lo, hi, q_max, kv_len, mask, kv_slots, seq_rows
+    )
 
 
 def slot_attention(
@@ -58,15 +86,24 @@ def slot_attention(
     num_kv = num_heads // meta.q_per_kv
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for g in meta.groups:
-        slots = g.slot_hi - g.slot_lo
-        q_pad = q.new_zeros(slots, g.q_max, num_heads, head_dim)
+        seqs = g.num_seqs
+        if g.kv_slots is None:
+            k = k_cache[g.slot_lo : g.slot_hi, :, : g.kv_len]
+            v = v_cache[g.slot_lo : g.slot_hi, :, : g.kv_len]
+        else:
+            k = k_cache[:, :, : g.kv_len].index_select(0, g.kv_slots)
+            v = v_cache[:, :, : g.kv_len].index_select(0, g.kv_slots)
+        if g.seq_rows is not None:  # decodes: each sequence's one query row, its heads grouped by K/V head
+            q_seq = q.index_select(0, g.seq_rows).view(seqs, num_kv, meta.q_per_kv, head_dim)
+            o = F.scaled_dot_product_attention(q_seq, k, v, attn_mask=g.mask)
+            out.index_copy_(0, g.seq_rows, o.reshape(seqs, num_heads * head_dim))
+            continue
+        q_pad = q.new_zeros(seqs, g.q_max, num_heads, head_dim)
         q_pad[g.q_row, g.q_off] = q[g.token_idx]
-        q_pad = q_pad.view(slots, g.q_max, num_kv, meta.q_per_kv, head_dim).permute(0, 2, 3, 1, 4)
-        q_pad = q_pad.reshape(slots, num_kv, meta.q_per_kv * g.q_max, head_dim)
-        k = k_cache[g.slot_lo : g.slot_hi, :, : g.kv_len]
-        v = v_cache[g.slot_lo : g.slot_hi, :, : g.kv_len]
+        q_pad = q_pad.view(seqs, g.q_max, num_kv, meta.q_per_kv, head_dim).permute(0, 2, 3, 1, 4)
+        q_pad = q_pad.reshape(seqs, num_kv, meta.q_per_kv * g.q_max, head_dim)
         o = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=g.mask)
-        o = o.view(slots, num_kv, meta.q_per_kv, g.q_max, head_dim).permute(0, 3, 1, 2, 4)
+        o = o.view(seqs, num_kv, meta.q_per_kv, g.q_max, head_dim).permute(0, 3, 1, 2, 4)
         out[g.token_idx] = o[g.q_row, g.q_off].reshape(-1, num_heads * head_dim)
     return out
 

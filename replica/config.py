@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
+from replica.cpu import CpuInfo, cpu_info
 from replica.model_loader import DEFAULT_MODEL
 from replica.policies import POLICIES
 from replica.scheduler import SchedulerConfig
@@ -18,11 +19,28 @@ class EngineConfig(SchedulerConfig):
 
     model: str = Field(DEFAULT_MODEL, description="built-in name or a local Hugging Face directory")
     policy: str = Field("continuous", description="batching policy (see replica.policies.POLICIES)")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description='"auto": bfloat16 on a GPU or a CPU with bf16 matrix units, else float32'
+    )
     device: str = Field("auto", description='"auto" (cuda when present), "cpu" or "cuda"')
+    int8_rows: int = Field(
+        0, ge=0, description="CPU: steps of at most this many rows use weight-only int8 copies (0: none)"
+    )
     seed: int = 0
 
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, policy: str) -> str:
         return POLICIES.check(policy)
+
+
+def resolve_dtype(dtype: str, device: str, cpu: CpuInfo | None = None) -> str:
+    """The dtype "auto" stands for on `device` ("cpu" or "cuda..."): bfloat16 on a GPU, and on a CPU
+    with bf16 matrix units (AVX512_BF16 or AMX), where slotserve's bench measured bf16 faster
+    than fp32 (HARDWARE.md); float32 on any other CPU, where bf16 products take a slow path.
+    An explicit dtype is kept."""
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda"):
+        return "bfloat16"
+    return "bfloat16" if (cpu or cpu_info()).fast_bf16 else "float32"

@@ -45,6 +45,8 @@ class RequestOutput:
     finish_reason: FinishReason | None
     time: float
     error: str | None = None
+    # Set on the final output: the tokens the request made in all (a router's length estimates learn from it).
+    num_output_tokens: int | None = None
 
 
 @dataclass
@@ -103,6 +105,7 @@ class Engine:
         self.requests: dict[str, Request] = {}  # unfinished ones
         self._ids = itertools.count()
         self._steps = itertools.count()
+        self._held: dict[str, int] = {}  # chars at the end of a request's text not streamed yet
 
     # ---- submission --------------------------------------------------------------------
     def add_request(
@@ -210,9 +213,12 @@ class Engine:
         request.output_token_ids.append(token)
         request.token_times.append(now)
         p = request.params
+        sent = len(request.text) - self._held.pop(request.request_id, 0)
         new_text = self._detokenize_delta(request)
         reason = None
-        if token in p.stop_token_ids:
+        if request.num_output_tokens < p.min_tokens:
+            pass  # min_tokens (as vLLM): no EOS, stop token or stop string ends it this early
+        elif token in p.stop_token_ids:
             reason = FinishReason.STOP
         elif token in self.runner.eos_token_ids and not p.ignore_eos:
             reason = FinishReason.EOS
@@ -222,6 +228,10 @@ class Engine:
             reason = FinishReason.STOP
         elif request.num_output_tokens >= p.max_tokens:
             reason = FinishReason.LENGTH
+        if p.stop:  # stream nothing that may yet turn out to start a stop string
+            upto = len(request.text) - (0 if reason is not None else _stop_prefix_len(request.text, p.stop))
+            self._held[request.request_id] = len(request.text) - upto
+            new_text = request.text[sent:upto]
         if reason is not None:
             return self._finish(request, reason, [token], new_text)
         return RequestOutput(request.request_id, [token], new_text, False, None, now)
@@ -243,8 +253,11 @@ class Engine:
         self.scheduler.finish(request, reason)
         request.error = error
         self.runner.release(request.request_id)
+        self._held.pop(request.request_id, None)
         del self.requests[request.request_id]
-        return RequestOutput(request.request_id, new_tokens, new_text, True, reason, self.clock.now(), error)
+        return RequestOutput(
+            request.request_id, new_tokens, new_text, True, reason, self.clock.now(), error, request.num_output_tokens
+        )
 
     def wait_idle(self, next_arrival: float | None = None) -> None:
         """Nothing could run this step: sleep until the policy's timer or the next arrival."""
@@ -303,3 +316,9 @@ def _first_stop(text: str, stops: list[str], new_from: int) -> int | None:
     """Index where the earliest stop string starts, looking only where new text could complete one."""
     hits = [i for s in stops if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
     return min(hits) if hits else None
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest end of `text` that is the start of a stop string (held back from
+    the stream until the next tokens show whether the stop string completes)."""
+    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)

@@ -79,12 +79,15 @@ class ModelShape:
 class Decoder:
     """Weights as a flat dict of tensors (no nn.Module: nothing here trains)."""
 
-    def __init__(self, shape: ModelShape, state: dict[str, torch.Tensor], pack_weights: bool = True):
+    def __init__(
+        self, shape: ModelShape, state: dict[str, torch.Tensor], pack_weights: bool = True, int8_rows: int = 0
+    ):
         self.shape = shape
         self.dtype = state["embed"].dtype
-        # Matrices become Linear (prepacked where that pays); norms, embeddings and biases stay plain.
+        # Matrices become Linear (prepacked where that pays, with an int8 copy for steps of at most
+        # int8_rows rows); norms, embeddings and biases stay plain.
         matrices = [k for k in state if k.rsplit(".", 1)[-1] in _MATRICES]
-        self.linear = {k: Linear(state[k], state.get(k + "_bias"), pack_weights) for k in matrices}
+        self.linear = {k: Linear(state[k], state.get(k + "_bias"), pack_weights, int8_rows) for k in matrices}
         self.w = {k: v for k, v in state.items() if k not in matrices}
         if shape.family == "llama":
             device = state["embed"].device
@@ -94,17 +97,24 @@ class Decoder:
             freqs = torch.outer(torch.arange(shape.max_positions, dtype=torch.float32), inv_freq)
             angles = torch.cat([freqs, freqs], dim=-1)
             self.rope_cos = angles.cos().to(device, self.dtype)
-            self.rope_sin = angles.sin().to(device, self.dtype)
+            # rotate_half(x) * sin == roll(x, half) * sin with the first half's sign flipped.
+            half = shape.head_dim // 2
+            self.rope_sin = (angles.sin() * torch.cat([-torch.ones(half), torch.ones(half)])).to(device, self.dtype)
 
     # ---- building from Hugging Face ------------------------------------------------------
     @classmethod
     def from_hf(
-        cls, hf_model, dtype: torch.dtype = torch.float32, device: str = "cpu", pack_weights: bool = True
+        cls,
+        hf_model,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        pack_weights: bool = True,
+        int8_rows: int = 0,
     ) -> Decoder:
         shape = ModelShape.from_hf_config(hf_model.config)
         sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
         state = _gpt2_state(sd, shape) if shape.family == "gpt2" else _llama_state(sd, shape)
-        return cls(shape, {k: v.to(device, dtype).contiguous() for k, v in state.items()}, pack_weights)
+        return cls(shape, {k: v.to(device, dtype).contiguous() for k, v in state.items()}, pack_weights, int8_rows)
 
     # ---- the forward pass ---------------------------------------------------------------
     def _norm(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
@@ -114,12 +124,10 @@ class Decoder:
             )
         return F.rms_norm(x, (x.shape[-1],), self.w[prefix + ".weight"], self.shape.norm_eps)
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos = self.rope_cos[positions].unsqueeze(1)
-        sin = self.rope_sin[positions].unsqueeze(1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim], gathered once per step."""
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
     @torch.inference_mode()
     def forward(
@@ -135,15 +143,19 @@ class Decoder:
         if s.family == "gpt2":
             x = x + w["pos_embed"][positions]
         num_q, num_kv, d = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.head_dim
+        if s.family == "llama":
+            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         for i in range(s.num_layers):
             p = f"layers.{i}"
             h = self._norm(x, p + ".attn_norm")
             qkv = linear[p + ".qkv"](h)
-            q = qkv[:, :num_q].view(-1, s.num_heads, d)
-            k = qkv[:, num_q : num_q + num_kv].view(-1, s.num_kv_heads, d)
             v = qkv[:, num_q + num_kv :].view(-1, s.num_kv_heads, d)
-            if s.family == "llama":
-                q, k = self._rope(q, positions), self._rope(k, positions)
+            if s.family == "llama":  # Q and K rotated together: one pass over both
+                qk = self._rope(qkv[:, : num_q + num_kv].view(-1, s.num_heads + s.num_kv_heads, d), cos, sin)
+                q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
+            else:
+                q = qkv[:, :num_q].view(-1, s.num_heads, d)
+                k = qkv[:, num_q : num_q + num_kv].view(-1, s.num_kv_heads, d)
             if isinstance(meta, PagedAttentionMetadata):  # paged cache: write at (block, offset), read via block tables
                 cache.write(i, meta.block_ids, meta.block_offsets, k, v)
                 attn = paged_attention(q, cache.k[i], cache.v[i], meta)

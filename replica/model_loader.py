@@ -36,26 +36,39 @@ def _smollm2_gguf() -> Path:
     return Path(spec.origin).parent / _SMOLLM2_GGUF
 
 
+# The cache folder's name carries a version: a change in what is written gets a new folder, so a
+# cache an older slotserve wrote is rebuilt rather than read. v2: tied embeddings saved the standard
+# way (`model.embed_tokens.weight`, no `lm_head.weight`) and `architectures` set, so vLLM and
+# transformers load the directory as they load any Hugging Face checkpoint.
+_DEFAULT_DIR = "smollm2-135m-instruct-f32-v2"
+
+
 def default_model_dir() -> Path:
     """A Hugging Face directory of SmolLM2-135M-Instruct in fp32, made from the GGUF file on
     first use (about 40 s here) and reused after (well under a second to load)."""
-    target = cache_dir() / "smollm2-135m-instruct-f32"
+    target = cache_dir() / _DEFAULT_DIR
     if (target / "model.safetensors").exists():
         return target
-    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    del model.config.quantization_config  # the weights are plain fp32 now
+    # The weights are plain fp32 now: without the GGUF quantizer's marks the model saves as any other.
+    del model.config.quantization_config
+    model.hf_quantizer = None
     # Write into a private folder and rename it into place, so a concurrent or interrupted
     # conversion never leaves a half-written model behind.
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=target.name, dir=target.parent))
-    model.config.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    save_model(model, str(partial / "model.safetensors"))
+    try:
+        # save_pretrained writes a tied LM head as the embedding alone (the config says it is tied);
+        # safetensors' save_model would keep whichever name of the shared tensor it met last.
+        model.save_pretrained(partial, safe_serialization=True)
+        tokenizer.save_pretrained(partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     try:
         partial.rename(target)
     except OSError:  # another process finished first

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from replica.attention import AttentionGroup, AttentionMetadata, PagedAttentionMetadata, build_group
-from replica.config import EngineConfig
+from replica.config import EngineConfig, resolve_dtype
 from replica.kv_cache import PagedKVCache, SlotKVCache
 from replica.model import Decoder
 from replica.model_loader import load_hf_model
@@ -31,22 +31,23 @@ class ModelRunner:
         "slot": num_slots rows of max_seq_len tokens; "paged": num_blocks blocks of block_size
         tokens, by default the same memory)."""
         self.device = pick_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         hf, self.tokenizer = load_hf_model(config.model, seed=config.seed)
-        self.model = Decoder.from_hf(hf, DTYPES[config.dtype], self.device)
+        self.model = Decoder.from_hf(hf, DTYPES[self.dtype], self.device, int8_rows=config.int8_rows)
         shape = self.model.shape
         self.vocab_size, self.max_model_len = shape.vocab_size, shape.max_positions
         eos = hf.generation_config.eos_token_id if hf.generation_config is not None else None
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_token_ids = {t for t in (*eos, self.tokenizer.eos_token_id) if t is not None}
         del hf
-        kv_shape = (shape.num_kv_heads, shape.head_dim, DTYPES[config.dtype], self.device)
+        kv_shape = (shape.num_kv_heads, shape.head_dim, DTYPES[self.dtype], self.device)
         if config.kv_cache == "paged":
             self.cache: SlotKVCache | PagedKVCache = PagedKVCache(
                 shape.num_layers, config.num_blocks, config.block_size, *kv_shape
             )
         else:
             self.cache = SlotKVCache(shape.num_layers, config.num_slots, config.max_seq_len, *kv_shape)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.eos_token_ids)
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)

@@ -13,6 +13,45 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from replica.errors import InvalidRequestError
 
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed; past it a whole step fails
+MAX_PROMPT_LEN = 1_000_000  # characters or token ids; far past any context, so only garbage is refused
+MAX_REQUEST_ID_LEN = 256
+
+
+def validate_prompt(prompt: Any) -> None:
+    """Refuse a prompt no model could take before it reaches a tokenizer: not a string or a
+    list of non-negative token ids, longer than MAX_PROMPT_LEN, or not encodable as UTF-8 (a
+    lone surrogate, which is what undecodable bytes on a command line become). The replica
+    still checks token ids against its vocabulary and the length against its limits."""
+    if isinstance(prompt, str):
+        if len(prompt) > MAX_PROMPT_LEN:
+            raise InvalidRequestError("prompt", f"{len(prompt)} characters exceeds the limit of {MAX_PROMPT_LEN}")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise InvalidRequestError(
+                "prompt",
+                f"is not valid UTF-8 text: {prompt[err.start]!r} at index {err.start} "
+                "(a lone surrogate, e.g. from undecodable bytes)",
+            ) from None
+        return
+    if not isinstance(prompt, (list, tuple)):
+        raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
+    if len(prompt) > MAX_PROMPT_LEN:
+        raise InvalidRequestError("prompt", f"{len(prompt)} token ids exceeds the limit of {MAX_PROMPT_LEN}")
+    bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or t < 0]
+    if bad:
+        raise InvalidRequestError("prompt", f"token ids must be non-negative integers, got {bad[:5]!r}")
+
+
+def validate_request_id(request_id: Any) -> str:
+    if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
+        given = repr(request_id)[:80]
+        raise InvalidRequestError(
+            "request_id", f"must be a non-empty string of at most {MAX_REQUEST_ID_LEN} characters, got {given}"
+        )
+    return request_id
+
 
 class SamplingParams(BaseModel):
     """Per-request generation parameters; every request in one batch may differ."""
@@ -23,16 +62,24 @@ class SamplingParams(BaseModel):
     temperature: float = Field(0.0, ge=0.0, description="0 means greedy")
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, description="per-request RNG seed for sampling")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="per-request RNG seed for sampling")
     stop: list[str] = Field(default_factory=list, description="stop strings")
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, description="tokens to make before EOS or a stop may end the request")
 
     @field_validator("temperature", "top_p", mode="before")
     @classmethod
     def _finite(cls, value: Any) -> Any:
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"must be a finite number, got {value}")
+        return value
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_within_max(cls, value: int, info) -> int:
+        if "max_tokens" in info.data and value > info.data["max_tokens"]:
+            raise ValueError(f"must be at most max_tokens ({info.data['max_tokens']}), got {value}")
         return value
 
     @field_validator("stop", mode="before")
@@ -89,6 +136,9 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # cancelled by the caller
     ERROR = "error"  # the step that ran it failed
     REJECTED = "rejected"  # refused at submission (cluster only; the engine raises instead)
+    # Handed back by a draining replica for the client to continue elsewhere (cluster only;
+    # the client resumes it on another replica, so no user ever sees this reason).
+    MIGRATE = "migrate"
 
 
 @dataclass(eq=False)
@@ -141,6 +191,17 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def resume_from(self, token_ids: list[int], text: str) -> None:
+        """Continue a request another replica started: `token_ids` were already generated
+        (and delivered as `text`), so they become output the scheduler prefills with the
+        prompt, as after a preemption; the next token sampled is the one after them, and
+        max_tokens counts them."""
+        if self.num_computed_tokens or self.output_token_ids:
+            raise InvalidRequestError("resume", f"request {self.request_id!r} has already started here")
+        self.output_token_ids = list(token_ids)
+        self.token_times = [self.arrival_time] * len(token_ids)
+        self.text = text
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Token ids at positions [start, stop) of prompt + output."""

@@ -9,25 +9,42 @@ import torch
 from replica.request import Request
 
 
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed for output position `position` of a request seeded `seed` (an odd
+    64-bit multiplier spreads neighbouring positions apart)."""
+    return (seed + (position + 1) * 0x9E3779B97F4A7C15) % 2**64
+
+
 class Sampler:
-    def __init__(self, seed: int | None = None):
+    def __init__(self, seed: int | None = None, eos_token_ids: set[int] | frozenset[int] = frozenset()):
+        self._eos = sorted(eos_token_ids)  # masked for a request that has not made its min_tokens yet
         self._shared = torch.Generator()  # for requests that give no seed
         self._shared.manual_seed(seed) if seed is not None else self._shared.seed()
         self._per_request: dict[str, torch.Generator] = {}
 
     def _generator(self, request: Request) -> torch.Generator:
+        """A seeded request draws each token from a generator seeded by (seed, position), so
+        the token at a position depends on nothing else: a request resumed on another replica
+        after its first one died (it arrives with the tokens already delivered as output)
+        continues the very sequence it would have made, as does one re-prefilled after a
+        preemption."""
         if request.params.seed is None:
             return self._shared
         gen = self._per_request.get(request.request_id)
         if gen is None:
-            gen = self._per_request[request.request_id] = torch.Generator().manual_seed(request.params.seed)
-        return gen
+            gen = self._per_request[request.request_id] = torch.Generator()
+        return gen.manual_seed(position_seed(request.params.seed, request.num_output_tokens))
 
     def release(self, request_id: str) -> None:
         self._per_request.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits: [rows, vocab] float32, row i for requests[i]."""
+        held = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
+        if held:  # vLLM's min_tokens: EOS and stop ids may not come yet (a copy: logits may be an inference tensor)
+            logits = logits.clone()
+            for i in held:
+                logits[i, self._eos + requests[i].params.stop_token_ids] = float("-inf")
         tokens = logits.argmax(dim=-1).tolist()
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if not rows:

@@ -5,21 +5,32 @@ wraps this in a Ray actor.
 The engine is not thread-safe, so it is only touched between steps: submissions and aborts
 wait in an inbox that the loop applies before each step, and each step runs in one worker
 thread (torch releases the GIL inside its kernels, so the event loop keeps streaming).
+
+What keeps a replica serving when things go wrong: the waiting queue is bounded (past
+`max_queue` a submission gets an OverloadedError at once, with a retry-after hint from the
+recent completion rate); `health()` reports a loop that raised or a step that has run longer
+than `stall_timeout`; a loop that raised hands every request it held back for migration
+instead of leaving them hanging; and `drain()` stops admissions, lets what it holds finish
+within a timeout and hands the rest back for migration (finish reason `migrate`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from protocol.errors import DrainingError, OverloadedError
 from protocol.messages import LoadReport
 from replica.config import EngineConfig
 from replica.engine import Engine, RequestOutput, StepRecord
-from replica.request import SamplingParams
+from replica.errors import InvalidRequestError
+from replica.request import FinishReason, SamplingParams
 
 
 class ReplicaConfig(BaseModel):
@@ -28,6 +39,16 @@ class ReplicaConfig(BaseModel):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     fake_step_seconds: float | None = Field(
         None, gt=0, description="serve the flat-cost fake model (every step this long) instead of a real one"
+    )
+    max_queue: int = Field(256, gt=0, description="requests waiting for a slot; past it a submission is refused")
+    stall_timeout: float = Field(
+        30.0, gt=0, description="seconds one step may run, with work waiting, before the replica reports unhealthy"
+    )
+    max_subscribers: int = Field(
+        256, gt=0, description="client event streams held at once (Ray caps an actor at 1000 concurrent calls)"
+    )
+    subscriber_idle_timeout: float = Field(
+        300.0, gt=0, description="seconds a client's event stream stays open with no request of its in flight"
     )
 
 
@@ -49,6 +70,7 @@ REPORT_INTERVAL = 0.02
 def load_report(engine: Engine, replica_id: str, queued: int = 0) -> LoadReport:
     """The engine's load at a step boundary; `queued` counts submissions not yet in its queue."""
     s = engine.scheduler
+    live = [*s.waiting, *s.running]
     return LoadReport(
         replica_id,
         len(s.waiting) + queued,
@@ -57,6 +79,9 @@ def load_report(engine: Engine, replica_id: str, queued: int = 0) -> LoadReport:
         s.slots.num_slots,
         s.slots.free_kv_tokens,
         engine.clock.now(),
+        prefill_tokens_pending=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in live),
+        decode_tokens_made=sum(r.num_output_tokens for r in live),
+        tokens_made={r.request_id: r.num_output_tokens for r in live},
     )
 
 
@@ -74,6 +99,39 @@ class _Submission:
     arrival_time: float | None
     accepted: asyncio.Future
     sink: Callable[[RequestOutput], None]
+    resume: tuple[list[int], str] | None = None
+
+
+@dataclass(frozen=True)
+class ServingHealth:
+    """What `AsyncEngine.health()` finds (the actor adds what only it knows)."""
+
+    healthy: bool
+    reason: str | None
+    last_step_age: float
+    loop_error: str | None
+    running: int
+    queued: int
+    draining: bool
+
+
+class CompletionRate:
+    """Requests finished per second over the last `window` completions: the basis of the
+    retry-after hint an overloaded queue gives."""
+
+    def __init__(self, window: int = 64):
+        self._times: deque[float] = deque(maxlen=window)
+
+    def add(self, now: float) -> None:
+        self._times.append(now)
+
+    def retry_after(self, ahead: int, default: float = 1.0) -> float:
+        """Seconds until `ahead` more requests have finished at the recent rate, clamped to
+        [0.05, 60]; `default` before two completions give a rate."""
+        if len(self._times) < 2 or self._times[-1] <= self._times[0]:
+            return default
+        rate = (len(self._times) - 1) / (self._times[-1] - self._times[0])
+        return min(60.0, max(0.05, ahead / rate))
 
 
 class AsyncEngine:
@@ -84,9 +142,13 @@ class AsyncEngine:
         on_finish: Callable[[RequestOutput], None] | None = None,
         on_load: Callable[[LoadReport], None] | None = None,
         replica_id: str = "replica",
+        max_queue: int = 256,
+        stall_timeout: float = 30.0,
     ):
         self.engine = engine
         self.replica_id = replica_id
+        self.max_queue = max_queue
+        self.stall_timeout = stall_timeout
         self._on_step = on_step or (lambda record: None)
         self._on_finish = on_finish or (lambda output: None)
         self._on_load = on_load or (lambda load: None)
@@ -96,6 +158,13 @@ class AsyncEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._task: asyncio.Task | None = None
         self._arrivals_done = False
+        self._step_started: float | None = None  # monotonic start of the step running now
+        self._last_step = time.monotonic()
+        self.loop_error: str | None = None
+        self.draining = False
+        self.peak_queued = 0
+        self.rejected = 0
+        self._completions = CompletionRate()
 
     def set_arrivals_done(self, done: bool) -> None:
         """Whether more requests may come before one of the running ones ends. Only the driver
@@ -110,15 +179,34 @@ class AsyncEngine:
         request_id: str,
         arrival_time: float | None,
         sink: Callable[[RequestOutput], None],
+        resume: tuple[list[int], str] | None = None,
     ) -> None:
         """Queue a request; once accepted, each of its outputs is passed to `sink` on the event
         loop as steps make them, the last with finished=True. Raises InvalidRequestError when
-        the engine refuses it."""
+        the engine refuses it, OverloadedError when the waiting queue is full, DrainingError
+        while draining. `resume` = (token ids, text) another replica already delivered: they
+        are prefilled with the prompt and generation continues after them."""
+        if self.draining:
+            raise DrainingError(self.replica_id)
+        if self.loop_error is not None:
+            raise DrainingError(self.replica_id, detail=f"its loop failed: {self.loop_error}")
+        queued = self.queued
+        if queued >= self.max_queue:
+            self.rejected += 1
+            raise OverloadedError(
+                self.replica_id,
+                self.max_queue,
+                self.retry_after(queued - self.max_queue + 1),
+                f"{queued} requests waiting for a slot",
+            )
+        if resume is not None:
+            resume = _check_resume(resume, params, self.engine.runner.vocab_size)
         loop = asyncio.get_running_loop()
         if self._task is None:
             self._task = loop.create_task(self._run())
-        sub = _Submission(prompt, params, request_id, arrival_time, loop.create_future(), sink)
+        sub = _Submission(prompt, params, request_id, arrival_time, loop.create_future(), sink, resume)
         self._inbox.append(sub)
+        self.peak_queued = max(self.peak_queued, queued + 1)
         self._wake.set()
         await sub.accepted
 
@@ -146,8 +234,67 @@ class AsyncEngine:
         self._inbox.append(request_id)
         self._wake.set()
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot: in the engine's queue, or submitted and not yet in it."""
+        return len(self.engine.scheduler.waiting) + sum(isinstance(i, _Submission) for i in self._inbox)
+
+    def retry_after(self, ahead: int) -> float:
+        """Seconds until `ahead` more requests have finished here, at the recent rate."""
+        return self._completions.retry_after(ahead)
+
     def load(self) -> LoadReport:
         return load_report(self.engine, self.replica_id, sum(isinstance(i, _Submission) for i in self._inbox))
+
+    def health(self) -> ServingHealth:
+        """Unhealthy when the loop raised, or one step has run longer than `stall_timeout`."""
+        now = time.monotonic()
+        age = now - (self._step_started if self._step_started is not None else self._last_step)
+        reason = None
+        if self.loop_error is not None:
+            reason = f"step loop failed: {self.loop_error}"
+        elif self._step_started is not None and age > self.stall_timeout:
+            reason = f"one step has run for {age:.1f} s (stall limit {self.stall_timeout:g} s)"
+        return ServingHealth(
+            reason is None,
+            reason,
+            age,
+            self.loop_error,
+            len(self.engine.scheduler.running),
+            self.queued,
+            self.draining,
+        )
+
+    async def drain(self, timeout: float) -> dict[str, int]:
+        """Admit nothing new, let every request held finish within `timeout` seconds, then hand
+        the rest back (finish reason `migrate`) for their clients to continue elsewhere.
+        Returns how many finished and how many were handed back."""
+        self.draining = True
+        held = len(self.engine.requests) + sum(isinstance(i, _Submission) for i in self._inbox)
+        deadline = time.monotonic() + timeout
+        while (self.engine.has_unfinished or self._inbox) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        handed_back = self._hand_back("replica draining")
+        return {"finished": held - handed_back, "migrated": handed_back}
+
+    def _hand_back(self, reason: str) -> int:
+        """End every request held with finish reason `migrate` (aborted here, to be resumed
+        by its client on another replica); submissions not yet applied are refused."""
+        inbox, self._inbox = self._inbox, []
+        for item in inbox:
+            if isinstance(item, _Submission) and not item.accepted.done():
+                item.accepted.set_exception(DrainingError(self.replica_id, detail=reason))
+        count = 0
+        for request_id in list(self.engine.requests):
+            try:
+                final = self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - a broken engine must not keep the others from moving
+                final = RequestOutput(request_id, [], "", True, FinishReason.ABORT, self.engine.clock.now())
+                self.engine.requests.pop(request_id, None)
+            if final is not None:
+                count += 1
+                self._deliver(replace(final, finish_reason=FinishReason.MIGRATE, error=f"{self.replica_id}: {reason}"))
+        return count
 
     def _apply_inbox(self) -> None:
         inbox, self._inbox = self._inbox, []
@@ -161,6 +308,8 @@ class AsyncEngine:
             except Exception as err:  # noqa: BLE001 - the caller gets the error; the loop goes on
                 item.accepted.set_exception(err)
                 continue
+            if item.resume is not None:  # checked at submission; nothing has run for it yet
+                self.engine.requests[item.request_id].resume_from(*item.resume)
             self._sinks[item.request_id] = item.sink
             item.accepted.set_result(None)
 
@@ -170,9 +319,21 @@ class AsyncEngine:
             sink(output)
         if output.finished:
             self._sinks.pop(output.request_id, None)
+            self._completions.add(time.monotonic())
             self._on_finish(output)
 
     async def _run(self) -> None:
+        """The loop, guarded: if it raises, the replica reports unhealthy and hands every
+        request it holds back for migration, so none is left hanging."""
+        try:
+            await self._loop()
+        except Exception as err:  # noqa: BLE001 - recorded for health(); the requests move on
+            self.loop_error = f"{type(err).__name__}: {err}"
+            self._step_started = None
+            self._hand_back(f"step loop failed: {self.loop_error}")
+            raise
+
+    async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             self._apply_inbox()
@@ -182,7 +343,9 @@ class AsyncEngine:
                 await self._wake.wait()
                 continue
             self.engine.scheduler.arrivals_done = self._arrivals_done
+            self._step_started = time.monotonic()
             result = await loop.run_in_executor(self._executor, self.engine.step)
+            self._step_started, self._last_step = None, time.monotonic()
             for output in result.outputs:
                 self._deliver(output)
             if result.record is not None:
@@ -200,3 +363,21 @@ class AsyncEngine:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
+
+
+def _check_resume(resume: object, params: SamplingParams | dict | None, vocab_size: int) -> tuple[list[int], str]:
+    """`resume` must be (token ids in the vocabulary, text) with fewer tokens than max_tokens
+    (a request that had them all was finished)."""
+    if not (isinstance(resume, (tuple, list)) and len(resume) == 2):
+        raise InvalidRequestError("resume", f"must be (token ids, text), got {type(resume).__name__}")
+    token_ids, text = resume
+    if not isinstance(token_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in token_ids
+    ):
+        raise InvalidRequestError("resume", f"token ids must be a list of integers in [0, {vocab_size})")
+    if not isinstance(text, str):
+        raise InvalidRequestError("resume", f"text must be a string, got {type(text).__name__}")
+    max_tokens = SamplingParams.parse(params).max_tokens
+    if len(token_ids) >= max_tokens:
+        raise InvalidRequestError("resume", f"{len(token_ids)} tokens already reach max_tokens={max_tokens}")
+    return token_ids, text

@@ -7,16 +7,30 @@ one call per request at dispatch and one at completion, never a token. It asks R
 time, so the `Router` inside needs no lock; and on the 2-core development machine a no-op
 synchronous actor took 1.3-1.6x the calls per second of an async one
 (benchmarks/router_throughput.py prints both next to this actor's figures).
+
+Health: with `health_period` set, a watcher thread asks every replica for its `health()` each
+period (never two questions to one replica at once) and hands the answers to the actor's own
+queue (`apply_health`), so the router's state is only ever changed by its one method thread. A
+replica that is dead, does not answer within `health_timeout`, or reports unhealthy is marked
+down at once (a client that loses a replica's stream says so too, through `replica_lost`); one
+that reports a failed or stalled loop is killed so Ray restarts it; a replica Ray restarted is
+attached to this router again and marked up only once its health check passes. A replica being
+drained stays down until it is gone.
 """
 
 from __future__ import annotations
 
-import logging
+import threading
+import time
+from concurrent.futures import Future
 
 import ray
 from ray.actor import ActorHandle
 
-from protocol.messages import LoadReport
+from protocol.backlog import StoreBacklog
+from protocol.errors import SlotServeError
+from protocol.messages import HealthReport, LoadReport
+from protocol.telemetry import RouterTelemetry
 from router.load import RouteRequest
 from router.policies import DEFAULT_POLICY
 from router.router import Decision, Router
@@ -24,51 +38,159 @@ from router.router import Decision, Router
 ROUTER_ACTOR_NAME = "slotserve-router"
 FLUSH_EVERY = 100
 
-logger = logging.getLogger(__name__)
-
 
 @ray.remote(num_cpus=0)
 class RouterActor:
     def __init__(
         self,
-        replica_handles: dict[str, ActorHandle],
+        replica_handles: dict[str, ActorHandle | str],
         policy: str = DEFAULT_POLICY,
         seed: int = 0,
-        store: ActorHandle | None = None,
+        store: ActorHandle | str | None = None,
         flush_every: int = FLUSH_EVERY,
+        max_in_flight_per_replica: int = 512,
+        max_in_flight: int | None = None,
+        health_period: float | None = None,
+        health_timeout: float = 15.0,
+        telemetry=None,
     ):
         """`store`, if given, receives `add_decision_records.remote(run_id, decisions)` every `flush_every`
         decisions and on `flush()`. Decisions are recorded only inside a run (from
-        `set_run(run_id)` to `set_run(None)`), like the replicas' step samples."""
-        self._handles = dict(replica_handles)
-        self._router = Router(list(replica_handles), policy, seed=seed)
+        `set_run(run_id)` to `set_run(None)`), like the replicas' step samples. With
+        `health_period` (seconds) the replicas' health is watched (see the module docstring).
+        A replica or the store may be given by its actor name (in the router's namespace)
+        instead of a handle: a router Ray restarts after its creator has gone then finds them
+        again by name, where handles passed by reference would be gone with their owner."""
+        self._handles = {replica_id: _actor(h) for replica_id, h in replica_handles.items()}
+        store = _actor(store) if store is not None else None
+        self._router = Router(
+            list(replica_handles),
+            policy,
+            seed=seed,
+            max_in_flight_per_replica=max_in_flight_per_replica,
+            max_in_flight=max_in_flight,
+        )
+        # live metrics: `telemetry(router)` builds the exporter it is given (cluster.telemetry)
+        self._telemetry = telemetry(self._router) if telemetry else RouterTelemetry()
+        self._draining: set[str] = set()
+        self._health: dict[str, HealthReport | str] = {}  # last answer per replica, or why there was none
+        self._restarting: set[str] = set()  # killed for a restart, not yet healthy again
+        self._restarts_asked = 0
         self._store = store
-        self._flush_every = flush_every
         self._run_id: int | None = None
-        self._rows: list[Decision] = []  # all belong to the current run
-        self._write: tuple[ray.ObjectRef, int] | None = None  # newest store write and its row count
-        self._store_errors = 0
-        self._decisions_lost = 0
+        # Decisions of the current run on their way to the store; never waits on it (protocol.backlog).
+        self._decisions: StoreBacklog[Decision] = StoreBacklog(self._send_decisions, flush_every)
+        if health_period is not None:
+            threading.Thread(
+                target=self._watch, args=(health_period, health_timeout), daemon=True, name="slotserve-health"
+            ).start()
 
-    def route(self, request_id: str, prompt_len: int, max_tokens: int, session_id: str | None = None) -> str:
-        """The id of the replica to send the request to (its handle is in `replicas()`)."""
-        decision = self._router.route(RouteRequest(request_id, prompt_len, max_tokens, session_id))
+    def route(
+        self,
+        request_id: str,
+        prompt_len: int,
+        max_tokens: int,
+        session_id: str | None = None,
+        moved_from: str | None = None,
+        block_hashes: tuple[int, ...] | list[int] = (),
+        block_size: int = 16,
+    ) -> str:
+        """The id of the replica to send the request to (its handle is in `replicas()`).
+        `moved_from`: the replica the request is being moved off. `block_hashes`: the chained
+        hashes of the prompt's full blocks of `block_size` tokens (`protocol.blocks`), for
+        prefix-aware policies. Raises OverloadedError when the bounds are reached or no
+        replica is up."""
+        request = RouteRequest(request_id, prompt_len, max_tokens, session_id, tuple(block_hashes), block_size)
+        decision = self._telemetry.route(self._router.route, request, moved_from)
         self._take_decisions()
-        if len(self._rows) >= self._flush_every:
-            self._settle(self._start_write())
         return decision.replica_id
 
-    def route_many(self, requests: list[tuple[str, int, int, str | None]]) -> list[str]:
+    def route_many(self, requests: list[tuple]) -> list[str | SlotServeError]:
         """`route` for several requests in one call: (request_id, prompt_len, max_tokens,
-        session_id) each. A call through Ray costs far more than a decision, so a client
-        routing a burst of arrivals sends them together."""
-        return [self.route(*request) for request in requests]
+        session_id[, moved_from[, block_hashes, block_size]]) each. A call through Ray costs
+        far more than a decision, so a client routing a burst of arrivals sends them together. Each request gets its own
+        answer: a replica id, or the typed error that refused it (a duplicate id, overload),
+        so one bad request never fails the others of its burst."""
+        answers: list[str | SlotServeError] = []
+        for request in requests:
+            try:
+                answers.append(self.route(*request))
+            except SlotServeError as err:
+                answers.append(err)
+        return answers
 
     def replicas(self) -> dict[str, ActorHandle]:
         return dict(self._handles)
 
-    def complete(self, request_id: str) -> bool:
-        return self._router.complete(request_id)
+    def complete(self, request_id: str, replica_id: str | None = None, output_len: int | None = None) -> bool:
+        return self._router.complete(request_id, output_len, replica_id)
+
+    def sync(self, decisions: list[Decision]) -> tuple[dict[str, LoadReport], dict[str, str]]:
+        """For a client that routes on its own (`cluster.local_routing`): record its decisions
+        as this router's own, and return every replica's last load report and the replicas
+        that are down (with why), so its view is this router's, one call per report interval."""
+        if self._store is not None and self._run_id is not None:
+            self._decisions.add(decisions)
+        return self._router.load.last_reports(), dict(self._router.down)
+
+    def replica_lost(self, replica_id: str, reason: str) -> int:
+        """A client lost its stream from the replica (the actor died, or its node): route
+        nothing there until a health check passes. Returns the requests forgotten there."""
+        if replica_id not in self._handles:
+            return 0
+        return len(self._router.mark_down(replica_id, f"lost: {reason}"[:200]))
+
+    def start_drain(self, replica_id: str) -> None:
+        """Route nothing more to the replica: it is being drained and removed."""
+        self._draining.add(replica_id)
+        self._router.mark_down(replica_id, "draining")
+
+    def apply_health(self, answers: dict[str, HealthReport | str]) -> None:
+        """The watcher's findings (a HealthReport, or why none came) put into effect."""
+        self._health.update(answers)
+        for replica_id, answer in answers.items():
+            if replica_id in self._draining:
+                continue
+            if isinstance(answer, HealthReport) and answer.healthy:
+                self._restarting.discard(replica_id)
+                if not answer.attached:  # restarted by Ray: attach now, mark up on the next healthy answer
+                    me = ray.get_runtime_context().current_actor
+                    self._handles[replica_id].attach.remote(me, self._store, self._run_id)
+                elif replica_id in self._router.down:
+                    self._router.mark_up(replica_id)
+                continue
+            why = answer if isinstance(answer, str) else f"unhealthy: {answer.reason}"
+            if self._router.down.get(replica_id) != why:
+                self._router.mark_down(replica_id, why)
+            if isinstance(answer, HealthReport) and replica_id not in self._restarting:
+                # Alive, but its loop failed or stalled: kill it once so Ray restarts it.
+                self._restarting.add(replica_id)
+                self._restarts_asked += 1
+                ray.kill(self._handles[replica_id], no_restart=False)
+
+    def _watch(self, period: float, timeout: float) -> None:
+        """The watcher thread: ask, wait at most `timeout`, hand the answers to the actor."""
+        me = ray.get_runtime_context().current_actor
+        pending: dict[str, tuple[ray.ObjectRef, float]] = {}
+        while True:
+            time.sleep(period)
+            now = time.monotonic()
+            for replica_id, handle in self._handles.items():
+                if replica_id not in pending:
+                    pending[replica_id] = (handle.health.remote(), now)
+            answers: dict[str, HealthReport | str] = {}
+            ready, _ = ray.wait([ref for ref, _ in pending.values()], num_returns=len(pending), timeout=0.5)
+            for replica_id, (ref, asked) in list(pending.items()):
+                if ref in ready:
+                    del pending[replica_id]
+                    try:
+                        answers[replica_id] = ray.get(ref)
+                    except Exception as err:  # noqa: BLE001 - a dead or broken replica is an answer too
+                        answers[replica_id] = f"no health answer: {type(err).__name__}"
+                elif now - asked > timeout:
+                    answers[replica_id] = f"no health answer within {timeout:g} s"
+            if answers:
+                me.apply_health.remote(answers)
 
     def set_policy(self, policy: str) -> None:
         """Switch routing policy between runs (see `Router.set_policy`)."""
@@ -81,50 +203,46 @@ class RouterActor:
         return {
             **self._router.status(),
             "run_id": self._run_id,
-            "decisions_buffered": len(self._rows),
-            "store_errors": self._store_errors,
-            "decisions_lost": self._decisions_lost,
+            "decisions_waiting": self._decisions.waiting,
+            "decisions_dropped": self._decisions.dropped,
+            "decisions_lost": self._decisions.failed,
+            "draining": sorted(self._draining),
+            "restarts_asked": self._restarts_asked,
+            "health": dict(self._health),
         }
 
     def set_run(self, run_id: int | None) -> None:
         """Record decisions from now on under `run_id` (None: stop recording); those buffered
         so far go out under the previous run."""
-        self._take_decisions()
-        previous = self._start_write()
+        self.flush()
         self._run_id = run_id
-        self._settle(previous)
+        self._telemetry.set_run(run_id)
 
     def flush(self) -> None:
         """Send every decision made so far and wait until the store has them."""
         self._take_decisions()
-        previous = self._start_write()
-        newest, self._write = self._write, None
-        self._settle(previous)
-        self._settle(newest)
+        self._decisions.flush()
 
     def _take_decisions(self) -> None:
         decisions = self._router.drain_decisions()
         if self._store is not None and self._run_id is not None:
-            self._rows.extend(decisions)
+            self._decisions.add(decisions)
 
-    def _start_write(self) -> tuple[ray.ObjectRef, int] | None:
-        """Send the buffered rows as one write and return the write it replaces as newest, for
-        the caller to wait for: at most one write is left outstanding, so a slow store slows
-        routing down a little instead of growing the actor's memory."""
-        previous, self._write = self._write, None
-        if self._rows:
-            self._write = (self._store.add_decision_records.remote(self._run_id, self._rows), len(self._rows))
-            self._rows = []
-        return previous
+    def _send_decisions(self, decisions: list[Decision]) -> Future:
+        """One store write (see protocol.backlog: at most one in flight)."""
+        return self._store.add_decision_records.remote(self._run_id, decisions).future()
 
-    def _settle(self, write: tuple[ray.ObjectRef, int] | None) -> None:
-        """Wait for a store write; a failure is logged and counted, never raised into routing."""
-        if write is None:
-            return
-        ref, num_rows = write
+
+def _actor(handle_or_name: ActorHandle | str, wait: float = 60.0) -> ActorHandle:
+    """The handle, or the actor of that name in this actor's namespace. Ray registers a new
+    named actor asynchronously, so a name given right after its creation is retried a while."""
+    if not isinstance(handle_or_name, str):
+        return handle_or_name
+    deadline = time.monotonic() + wait
+    while True:
         try:
-            ray.get(ref)
-        except Exception as exc:  # the store's failure must not fail a client's request
-            self._store_errors += 1
-            self._decisions_lost += num_rows
-            logger.warning("metrics store dropped %d routing decisions: %s", num_rows, exc)
+            return ray.get_actor(handle_or_name)
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)

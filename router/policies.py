@@ -6,7 +6,9 @@ Ties go to the first tied replica at or after a cursor that moves past every cho
 replicas take turns rather than the first one filling up; the order is deterministic.
 
 Policies are pure: no Ray, no clock of their own (report ages come in the views), randomness
-from a seeded `random.Random`.
+from a seeded `random.Random`. A policy that keeps state about requests (reserved work, an
+output-length estimate, a prefix index) hears of each dispatch and completion through
+`dispatched` and `completed`, which the router calls.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import random
 from collections import OrderedDict
 
 from protocol.registry import Registry
+from router.length_predictor import BucketedLength, MeanLength
 from router.load import ReplicaView, RouteRequest
+from router.prefix_index import CAPACITY_BLOCKS, PrefixIndex
+from router.work import DECODE_WEIGHT, WorkLedger
 
 
 class RoutingPolicy:
@@ -34,6 +39,12 @@ class RoutingPolicy:
 
     def scores(self, request: RouteRequest, views: list[ReplicaView]) -> list[float]:
         raise NotImplementedError
+
+    def dispatched(self, request: RouteRequest, replica_id: str, now: float) -> None:
+        """The router sent `request` to `replica_id` (after `choose`)."""
+
+    def completed(self, request_id: str, output_len: int | None) -> None:
+        """The request ended, having made `output_len` tokens (None: not known)."""
 
     def _pick(self, scores: list[float]) -> int:
         best = min(scores)
@@ -136,11 +147,99 @@ class SessionAffinity(RoutingPolicy):
         return index, scores
 
 
+class LeastWork(RoutingPolicy):
+    """Least pending work in tokens (`router.work.WorkLedger.score`): prompt tokens still to
+    prefill plus the expected decode tokens left, reserved at dispatch and released as the
+    replica reports tokens made, plus the decode steps until a slot frees when all are taken.
+    The expected output is the running mean of finished requests' outputs."""
+
+    name = "least_work"
+    predictor = MeanLength
+
+    def __init__(self, seed: int = 0, decode_weight: float = DECODE_WEIGHT):
+        super().__init__(seed)
+        self.work = WorkLedger(decode_weight)
+        self.lengths = self.predictor()
+        self._in_flight: dict[str, RouteRequest] = {}
+
+    def scores(self, request: RouteRequest, views: list[ReplicaView]) -> list[float]:
+        return [self.work.score(v) for v in views]
+
+    def dispatched(self, request: RouteRequest, replica_id: str, now: float) -> None:
+        self.work.reserve(request.request_id, replica_id, request.prompt_len, self.lengths.estimate(request), now)
+        self._in_flight[request.request_id] = request
+
+    def completed(self, request_id: str, output_len: int | None) -> None:
+        self.work.release(request_id)
+        request = self._in_flight.pop(request_id, None)
+        if request is not None and output_len is not None:
+            self.lengths.observe(request, output_len)
+
+
+class PredictedLength(LeastWork):
+    """`least_work` with a per-request output-length estimate: the session's last output, else
+    the recent median for prompts of similar length (`router.length_predictor.BucketedLength`)."""
+
+    name = "predicted_length"
+    predictor = BucketedLength
+
+
+class PrefixAffinity(PredictedLength):
+    """Where the prompt's prefix is cached, unless that replica is too busy. Score: the cost of
+    serving the request there, in prefill-token equivalents, as Dynamo's KV router prices it:
+    prompt tokens not found in the replica's cache (by the approximate `PrefixIndex`) plus the
+    replica's pending work (`predicted_length`'s estimate).
+
+    Imbalance guard (after SGLang's cache-aware router): a replica whose pending work exceeds
+    `balance_ratio` x the least pending work plus `balance_tokens` is not eligible (+inf), so a
+    popular prefix cannot pile requests onto one replica; its requests spill to the next
+    cheapest, which then caches the prefix too. Requests without block hashes are placed by
+    pending work alone."""
+
+    name = "prefix_affinity"
+
+    def __init__(
+        self,
+        seed: int = 0,
+        decode_weight: float = DECODE_WEIGHT,
+        balance_ratio: float = 1.5,
+        balance_tokens: float = 1024.0,
+        capacity_blocks: int = CAPACITY_BLOCKS,
+    ):
+        super().__init__(seed, decode_weight)
+        self.balance_ratio, self.balance_tokens = balance_ratio, balance_tokens
+        self.index = PrefixIndex(capacity_blocks)
+
+    def scores(self, request: RouteRequest, views: list[ReplicaView]) -> list[float]:
+        pending = [self.work.score(v) for v in views]  # pending work and the wait for a slot
+        matched = self.index.matched_blocks(request.block_hashes, [v.replica_id for v in views])
+        bound = self.balance_ratio * min(pending) + self.balance_tokens
+        return [
+            p + max(0, request.prompt_len - matched[v.replica_id] * request.block_size) if p <= bound else math.inf
+            for v, p in zip(views, pending)
+        ]
+
+    def dispatched(self, request: RouteRequest, replica_id: str, now: float) -> None:
+        super().dispatched(request, replica_id, now)
+        self.index.insert(replica_id, request.block_hashes)
+
+
 ROUTING_POLICIES: Registry[type[RoutingPolicy]] = Registry(
     "routing policy",
     {
         cls.name: cls
-        for cls in (RoundRobin, RandomChoice, LeastQueue, MostFreeSlots, LeastLoaded, PowerOfTwo, SessionAffinity)
+        for cls in (
+            RoundRobin,
+            RandomChoice,
+            LeastQueue,
+            MostFreeSlots,
+            LeastLoaded,
+            PowerOfTwo,
+            SessionAffinity,
+            LeastWork,
+            PredictedLength,
+            PrefixAffinity,
+        )
     },
 )
 

@@ -1,6 +1,11 @@
 """The router without Ray: a routing policy over the router's load view, and a log of every
 decision with the scores and signal ages it was made from. The Ray actor is a thin shell
-around it (router/actor.py); tests and the simulator use it directly with a virtual clock."""
+around it (router/actor.py); tests and the simulator use it directly with a virtual clock.
+
+It also keeps the cluster's front door bounded: a replica marked down (lost, unhealthy or
+draining) gets nothing until it is marked up again, and past `max_in_flight_per_replica` on
+every replica that is up, or `max_in_flight` in all, a request is refused at once with an
+OverloadedError whose retry-after is the time the recent completion rate needs to free a place."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 
 from protocol.clock import Clock, WallClock
+from protocol.errors import OverloadedError
 from protocol.messages import LoadReport
 from router.errors import RoutingError
 from router.load import LoadView, RouteRequest
@@ -38,11 +44,24 @@ class Router:
         clock: Clock | None = None,
         seed: int = 0,
         max_decisions: int = 10_000,
+        max_in_flight_per_replica: int = 512,
+        max_in_flight: int | None = None,
     ):
         """`max_decisions` bounds the undrained decision log; past it the oldest are dropped
-        and counted in `decisions_dropped`."""
+        and counted in `decisions_dropped`. `max_in_flight` defaults to
+        `max_in_flight_per_replica` times the replicas."""
         if not replica_ids:
             raise RoutingError("a router needs at least one replica; got none")
+        if max_in_flight_per_replica < 1 or (max_in_flight is not None and max_in_flight < 1):
+            raise RoutingError(
+                "in-flight bounds must be at least 1; "
+                f"got {max_in_flight_per_replica} per replica, {max_in_flight} in all"
+            )
+        self.max_in_flight_per_replica = max_in_flight_per_replica
+        self.max_in_flight = max_in_flight or max_in_flight_per_replica * len(replica_ids)
+        self.down: dict[str, str] = {}  # replica id -> why it gets no requests
+        self.rejected = 0
+        self._completions: deque[float] = deque(maxlen=64)
         self.seed = seed
         self.policy = make_routing_policy(policy, seed)
         self.clock = clock or WallClock()
@@ -55,30 +74,79 @@ class Router:
     def replica_ids(self) -> list[str]:
         return self.load.replica_ids
 
-    def route(self, request: RouteRequest) -> Decision:
-        """Choose a replica, count the request in flight there, and log the decision."""
+    def route(self, request: RouteRequest, moved_from: str | None = None) -> Decision:
+        """Choose a replica that is up and under its bound, count the request in flight there,
+        and log the decision. `moved_from`: the request is being moved off that replica (lost
+        or draining), so its place there is released first."""
         owner = self.load.owner(request.request_id)
-        if owner is not None:
+        if owner is not None and owner == moved_from:
+            self.load.completed(request.request_id, moved_from)
+        elif owner is not None:
             raise RoutingError(f"request {request.request_id!r} is already in flight on {owner!r}")
         now = self.clock.now()
-        views = self.load.views(now)
+        views = [v for v in self.load.views(now) if v.replica_id not in self.down]
+        self._check_capacity(views)
+        views = [v for v in views if v.in_flight < self.max_in_flight_per_replica]
         index, scores = self.policy.choose(request, views)
-        ages = [v.report_age for v, s in zip(views, scores) if v.report_age is not None and not math.isinf(s)]
+        ages = []
+        if self.policy.uses_load:
+            ages = [v.report_age for v, s in zip(views, scores) if v.report_age is not None and not math.isinf(s)]
         decision = Decision(
             request_id=request.request_id,
             replica_id=views[index].replica_id,
             time=now,
             policy=self.policy.name,
             scores={v.replica_id: s for v, s in zip(views, scores)},
-            signal_age=max(ages) if ages and self.policy.uses_load else None,
+            signal_age=max(ages) if ages else None,
             in_flight={v.replica_id: v.in_flight for v in views},
         )
         self.load.dispatched(decision.replica_id, request.request_id)
+        self.policy.dispatched(request, decision.replica_id, now)
         if len(self._decisions) == self._decisions.maxlen:
             self.decisions_dropped += 1
         self._decisions.append(decision)
         self.routed += 1
         return decision
+
+    def _check_capacity(self, views: list) -> None:
+        """OverloadedError when no replica is up, `max_in_flight` is reached, or every replica
+        up is at `max_in_flight_per_replica`."""
+        if not views:
+            down = ", ".join(f"{r}: {why}" for r, why in self.down.items())
+            raise self._reject("router", 0, f"no replica is up ({down})", 1.0)
+        total = sum(v.in_flight for v in views)
+        if total >= self.max_in_flight:
+            raise self._reject("router", self.max_in_flight, f"{total} requests in flight", None, total)
+        if all(v.in_flight >= self.max_in_flight_per_replica for v in views):
+            raise self._reject(
+                "router", self.max_in_flight_per_replica, "requests in flight on every replica that is up", None, 1
+            )
+
+    def _reject(self, where: str, limit: int, detail: str, retry_after: float | None, ahead: int = 1):
+        self.rejected += 1
+        if retry_after is None:
+            retry_after = self.retry_after(ahead - limit + 1 if ahead > limit else 1)
+        return OverloadedError(where, limit, retry_after, detail)
+
+    def retry_after(self, ahead: int) -> float:
+        """Seconds until `ahead` more requests complete at the recent completion rate, clamped
+        to [0.05, 60] (1 s before two completions give a rate)."""
+        t = self._completions
+        if len(t) < 2 or t[-1] <= t[0]:
+            return 1.0
+        return min(60.0, max(0.05, ahead * (t[-1] - t[0]) / (len(t) - 1)))
+
+    def mark_down(self, replica_id: str, reason: str) -> list[str]:
+        """Route nothing to the replica until `mark_up`; the requests in flight on it are
+        forgotten (their clients move them) and returned."""
+        self.load.require(replica_id)
+        self.down[replica_id] = reason
+        return self.load.forget_in_flight(replica_id)
+
+    def mark_up(self, replica_id: str) -> bool:
+        """Route to the replica again (a health check passed); returns whether it was down."""
+        self.load.require(replica_id)
+        return self.down.pop(replica_id, None) is not None
 
     def set_policy(self, policy: str) -> None:
         """Route with another policy from now on (a fresh one, seeded as at construction);
@@ -86,9 +154,18 @@ class Router:
         on the same view."""
         self.policy = make_routing_policy(policy, self.seed)
 
-    def complete(self, request_id: str) -> bool:
-        """The request ended on its replica. Idempotent; returns whether it was in flight."""
-        return self.load.completed(request_id)
+    def complete(self, request_id: str, output_len: int | None = None, replica_id: str | None = None) -> bool:
+        """The request ended on its replica, having made `output_len` tokens (if known: policies
+        that estimate output lengths learn from it). With `replica_id`, only its owner's word
+        counts (a replica it was moved off may still report it). Idempotent; returns whether it
+        was in flight."""
+        if replica_id is not None and self.load.owner(request_id) not in (None, replica_id):
+            return self.load.completed(request_id, replica_id)  # counted as unknown, changes nothing
+        self.policy.completed(request_id, output_len)
+        done = self.load.completed(request_id, replica_id)
+        if done:
+            self._completions.append(self.clock.now())
+        return done
 
     def report(self, load: LoadReport) -> bool:
         """A replica's load report; returns whether it was kept (not stale, replica known)."""
@@ -108,6 +185,7 @@ class Router:
         if self.load.replica_ids == [replica_id]:
             raise RoutingError(f"cannot remove {replica_id!r}: it is the last replica")
         self.load.remove_replica(replica_id)
+        self.down.pop(replica_id, None)
 
     def status(self) -> dict:
         views = self.load.views(self.clock.now())
@@ -118,6 +196,10 @@ class Router:
             "unknown_completions": self.load.unknown_completions,
             "stale_reports": self.load.stale_reports,
             "unknown_reports": self.load.unknown_reports,
+            "rejected": self.rejected,
+            "down": dict(self.down),
+            "max_in_flight": self.max_in_flight,
+            "max_in_flight_per_replica": self.max_in_flight_per_replica,
             "replicas": {
                 v.replica_id: {
                     "in_flight": v.in_flight,

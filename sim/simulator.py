@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from metrics.definitions import RequestTrace
 from metrics.recording import record_run
+from protocol.blocks import block_hashes
 from protocol.clock import FakeClock
 from protocol.errors import SlotServeError
 from replica.config import EngineConfig
@@ -44,6 +45,15 @@ from router.load import RouteRequest
 from router.policies import DEFAULT_POLICY, ROUTING_POLICIES
 from router.router import Decision, Router
 from sim.replay import request_trace
+from workloads.capacity import (
+    PREFILL_PROBE_ROUNDS,
+    PROBE_MAX_TOKENS,
+    PROBE_PROMPT_LEN,
+    Capacity,
+    decode_rate,
+    prefill_probe_len,
+    prefill_rate,
+)
 from workloads.schedule import ArrivalSchedule
 from workloads.workload import Workload, WorkloadRequest, request_prompt
 
@@ -175,9 +185,9 @@ class Simulator:
         for index, spec, planned in due:
             rid = f"{self.workload.name}-{index}"
             self._arrivals[rid] = Arrival(index, spec, planned)
-            decision = self.router.route(RouteRequest(rid, spec.prompt_len, spec.output_len, spec.session_id))
-            replica = self._by_id[decision.replica_id]
             prompt = request_prompt(self.config.seed, index, spec, self.config.vocab_size)
+            decision = self.router.route(self._route_request(rid, spec, prompt))
+            replica = self._by_id[decision.replica_id]
             try:
                 replica.engine.add_request(
                     prompt,
@@ -199,6 +209,14 @@ class Simulator:
         if due:
             self._decisions += self.router.drain_decisions()
         self._tell_arrivals_done()
+
+    def _route_request(self, rid: str, spec: WorkloadRequest, prompt: list[int]) -> RouteRequest:
+        """What the router is told, as a client sends it: lengths, session, and the prompt's
+        block hashes at the engine's block size."""
+        size = self.config.engine.block_size
+        return RouteRequest(
+            rid, spec.prompt_len, spec.output_len, spec.session_id, tuple(block_hashes(prompt, size)), size
+        )
 
     def _tell_arrivals_done(self) -> None:
         """Whether a request may come before a running one ends, as the cluster's driver tells
@@ -232,7 +250,7 @@ class Simulator:
             if output.finished:
                 request, replica_id = self._requests[output.request_id]
                 self._done[output.request_id] = request_trace(request, output.time, replica_id)
-                self.router.complete(output.request_id)
+                self.router.complete(output.request_id, request.num_output_tokens)
                 self.schedule.finished(self._arrivals[output.request_id].index, now)
         self._steps[replica.replica_id].append(result.record)
         self._report(replica)
@@ -277,6 +295,18 @@ def simulate(
 ) -> SimulationResult:
     """Run `workload` through a simulated cluster (see the module docstring)."""
     return Simulator(workload, config, cost, check_invariants).run()
+
+
+def measure_capacity(config: SimulationConfig, cost: CostModel | None = None) -> Capacity:
+    """The simulated cluster's capacity (`workloads.capacity`), by the probes the real cluster
+    is measured with, on virtual time: every slot decoding, then every slot prefilling."""
+    slots = config.num_replicas * config.engine.num_slots
+    probe = Workload("capacity-probe", 0, [WorkloadRequest(0.0, PROBE_PROMPT_LEN, PROBE_MAX_TOKENS)] * slots)
+    decode = decode_rate(t.token_times for t in simulate(probe, config, cost).traces)
+    prompt_len = prefill_probe_len(config.engine.max_seq_len)
+    probe = Workload("prefill-probe", 0, [WorkloadRequest(0.0, prompt_len, 1)] * (PREFILL_PROBE_ROUNDS * slots))
+    traces = simulate(probe, config, cost).traces
+    return Capacity(decode, prefill_rate(prompt_len, (t.token_times[0] for t in traces), 0.0))
 
 
 def cost_description(cost: CostModel) -> dict[str, Any]:

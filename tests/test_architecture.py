@@ -10,7 +10,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("protocol", "replica", "router", "workloads", "metrics", "sim", "cluster", "experiments", "peers", "cli")
+PACKAGES = (
+    "protocol",
+    "replica",
+    "router",
+    "workloads",
+    "metrics",
+    "sim",
+    "cluster",
+    "experiments",
+    "peers",
+    "dashboards",
+    "cli",
+)
 OURS = set(PACKAGES) | {"benchmarks", "tests"}
 
 # Which of our packages each package may import (docs/ARCHITECTURE.md, "Packages").
@@ -24,6 +36,7 @@ ALLOWED = {
     "cluster": {"protocol", "replica", "router", "workloads", "metrics"},
     "experiments": {"protocol", "replica", "router", "workloads", "metrics", "sim", "cluster"},
     "peers": {"protocol", "replica", "workloads", "metrics"},
+    "dashboards": {"protocol", "metrics"},
     "cli": set(PACKAGES) - {"cli"},
 }
 # Third-party imports a module or package must never make.
@@ -33,6 +46,7 @@ FORBIDDEN_THIRD_PARTY = {
     "router": {"torch"},
     "metrics": {"ray", "torch"},
     "sim": {"ray"},
+    "dashboards": {"ray", "torch"},
     "replica.scheduler": {"ray", "torch"},
     "replica.policies": {"ray", "torch"},
     "replica.slot_table": {"ray", "torch"},

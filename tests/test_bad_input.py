@@ -398,16 +398,26 @@ def test_sampler_top_k_keeps_only_k_best():
     assert drawn == {4, 7}
 
 
+def sample_on(sampler: Sampler, logits: torch.Tensor, rows: list[Request], steps: int) -> list[list[int]]:
+    """`steps` draws, each token appended to its request's output as the engine does."""
+    drawn = []
+    for _ in range(steps):
+        tokens = sampler.sample(logits[: len(rows)], rows)
+        for r, t in zip(rows, tokens):
+            r.output_token_ids.append(t)
+        drawn.append(tokens)
+    return drawn
+
+
 def test_sampler_seed_reproducible():
     """A request's seed makes its draws reproducible across samplers (whatever their own seeds and
     whatever other rows share the batch); a different seed gives different draws."""
     flat = torch.zeros(2, 100)
 
     def draws(sampler_seed: int, request_seed: int, neighbour: bool) -> list[int]:
-        sampler = Sampler(seed=sampler_seed)
         r = req("x", temperature=1.0, seed=request_seed)
         rows = [r, req("n", temperature=1.0)] if neighbour else [r]
-        return [sampler.sample(flat[: len(rows)], rows)[0] for _ in range(30)]
+        return [t[0] for t in sample_on(Sampler(seed=sampler_seed), flat, rows, 30)]
 
     first = draws(0, 1234, False)
     assert draws(99, 1234, True) == first
@@ -415,14 +425,16 @@ def test_sampler_seed_reproducible():
     assert len(set(first)) > 10  # really sampled from the flat distribution
 
 
-def test_sampler_release_restarts_seeded_stream():
-    """After release(), a request id with a seed starts its stream afresh."""
-    sampler = Sampler(seed=0)
+def test_seeded_request_resumed_elsewhere_continues_its_sequence():
+    """A seeded request moved to another replica after 6 tokens (it arrives there with them as
+    output, `Request.resume_from`) draws the same tokens 7-15 as the undisturbed request: the
+    draw at a position depends on the seed and the position only."""
     flat = torch.zeros(1, 100)
-    r = req("x", temperature=1.0, seed=7)
-    a = [sampler.sample(flat, [r])[0] for _ in range(10)]
-    sampler.release("x")
-    assert [sampler.sample(flat, [r])[0] for _ in range(10)] == a
+    whole = [t[0] for t in sample_on(Sampler(seed=0), flat, [req("x", temperature=1.0, seed=7)], 15)]
+    moved = req("x", temperature=1.0, seed=7)
+    moved.resume_from(whole[:6], "")
+    assert [t[0] for t in sample_on(Sampler(seed=99), flat, [moved], 9)] == whole[6:]
+    assert len(set(whole)) > 5  # really sampled
 
 
 def test_sampler_small_top_p_keeps_top_token():
@@ -447,11 +459,10 @@ def test_sampler_mixed_greedy_and_temperature_rows():
     same draws as when sampled alone, given their seed)."""
     flat_row = torch.zeros(1, 5)
     batch = torch.cat([LOGITS[:1], flat_row, LOGITS[2:]])
-    sampler = Sampler(seed=0)
     rows = [req("g1"), req("t", temperature=1.0, seed=3), req("g2")]
-    got = [sampler.sample(batch, rows) for _ in range(40)]
+    got = sample_on(Sampler(seed=0), batch, rows, 40)
     assert all(t[0] == 1 and t[2] == 3 for t in got)
     assert len({t[1] for t in got}) > 1, "the temperature row never varied"
 
-    alone = Sampler(seed=5)
-    assert [alone.sample(flat_row, [req("t", temperature=1.0, seed=3)])[0] for _ in range(40)] == [t[1] for t in got]
+    alone = sample_on(Sampler(seed=5), flat_row, [req("t", temperature=1.0, seed=3)], 40)
+    assert [t[0] for t in alone] == [t[1] for t in got]

@@ -175,8 +175,10 @@ def test_default_model_cluster_matches_single_engine(local_ray):
     """2 replicas of SmolLM2 behind the router, 20 concurrent streamed requests: every one
     completes, greedy outputs equal a single in-process engine's, and tokens arrive one by one."""
     prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(20)]
-    config = EngineConfig(num_slots=8, max_seq_len=256)
-    start_cluster(ClusterSpec(num_replicas=2, replica=ReplicaConfig(engine=config), store_path=str(local_ray / "s.db")))
+    config = EngineConfig(num_slots=8, max_seq_len=256, dtype="float32")
+    deployment = start_cluster(  # held: the router and replicas live as long as their deployment
+        ClusterSpec(num_replicas=2, replica=ReplicaConfig(engine=config), store_path=str(local_ray / "s.db"))
+    )
     client = Client()
 
     async def one(prompt):
@@ -193,7 +195,7 @@ def test_default_model_cluster_matches_single_engine(local_ray):
         assert events[-1].finished and events[-1].finish_reason == want.finish_reason.value
         # streamed: the client held the first token before the replica made the last one
         assert events[0].time < events[-1].made
-    assert {e.replica_id for events in results for e in events} == {"replica-0", "replica-1"}
+    assert {e.replica_id for events in results for e in events} == set(deployment.replicas)
 
 
 def test_async_burst_is_routed_in_one_call_per_loop_turn(local_ray):

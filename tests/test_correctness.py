@@ -20,8 +20,12 @@ KV = {"slot": {}, "paged": {"kv_cache": "paged", "block_size": 8, "prefix_cachin
 
 
 def make_runners(model: str) -> dict[str, ModelRunner]:
-    """One runner per cache layout (a runner owns one cache, so the model is loaded twice)."""
-    return {kv: ModelRunner(EngineConfig(model=model, num_slots=SLOTS, max_seq_len=256, **c)) for kv, c in KV.items()}
+    """One runner per cache layout (a runner owns one cache, so the model is loaded twice), in fp32:
+    the dtype transformers' reference runs in (the default, "auto", may pick bf16)."""
+    return {
+        kv: ModelRunner(EngineConfig(model=model, dtype="float32", num_slots=SLOTS, max_seq_len=256, **c))
+        for kv, c in KV.items()
+    }
 
 
 def make_prompts(tokenizer) -> list[tuple[list[int], int]]:

@@ -234,6 +234,28 @@ def test_bad_files_name_file_and_line_and_leave_the_store_alone(tmp_path, capsys
         assert conn.execute("SELECT count(*) FROM runs").fetchone()[0] == 1
 
 
+@pytest.mark.parametrize("where", ["../outside.csv", "ABSOLUTE"])
+def test_paths_may_not_leave_the_files_folder_unless_allowed(tmp_path, capsys, where):
+    """A trace named by `..` or an absolute path outside the experiment file's folder is refused
+    with the file, line and key (nothing is read); `--allow-outside-paths` lets it through."""
+    inner = tmp_path / "exp"
+    inner.mkdir()
+    trace = tmp_path / "outside.csv"
+    trace.write_text(TRACE_HEADER + "2023-11-16 18:15:46.0,30,4\n2023-11-16 18:15:47.0,20,5\n")
+    path_text = str(trace) if where == "ABSOLUTE" else where
+    text = EXPERIMENT.replace(
+        '[workload]\nstandard = "bursty-mix"\nargs = { num_requests = 12 }',
+        f'[workload]\nspec = {{ source = "trace", format = "azure", path = "{path_text}", limit = 2 }}',
+    ).replace("load = [0.5, 1.0]\n", "")
+    path = write(inner, text)
+    assert main(["experiment", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"{path}:{line_of(text, 'spec = ')}: workload.spec.path" in err and "leaves the experiment file's folder" in err
+    )
+    assert main(["experiment", str(path), "--dry-run", "--allow-outside-paths"]) == 0
+
+
 @pytest.fixture
 def local_ray():
     import ray

@@ -145,7 +145,7 @@ def test_a_store_of_the_previous_schema_is_migrated_in_place(tmp_path):
     conn.commit()
     conn.close()
     store = open_store(path)
-    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
     [old] = store.steps(1)
     assert (old["decode_tokens"], old["context_tokens"]) == (3, None)
     store.add_steps(1, [{**step("a", 1, 2, 2, 2), "context_tokens": 77}])

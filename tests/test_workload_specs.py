@@ -122,7 +122,7 @@ def test_trace_spec_builds_through_the_reader_and_round_trips(tmp_path):
     w = s.build()
     direct = read_azure_csv(time_scale=2.0, length_scale=0.1, every=10, limit=50, start_offset=60.0)
     assert w.requests == direct.requests
-    assert w.name == "azure-conv" and parse_spec(json.loads(json.dumps(w.spec))).build() == w
+    assert w.name == "azure_llm_2023_conv" and parse_spec(json.loads(json.dumps(w.spec))).build() == w  # its file
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 1, "input_length": 2}\n')
     with pytest.raises(TraceError, match=r"bad.jsonl:1: missing field 'output_length'"):
@@ -132,7 +132,7 @@ def test_trace_spec_builds_through_the_reader_and_round_trips(tmp_path):
 def test_trace_spec_at_load_scales_time():
     """A trace at a load offers that load: the time scale is set from the sample's own rate."""
     s = standard_spec("azure-conv", num_requests=300)
-    w = s.at_load(0.5, capacity_tokens_per_s=200.0).build()
+    w = s.at_load(0.5, capacity=200.0).build()
     mean_output = statistics.fmean(w.output_lens)
     rate = (len(w.requests) - 1) / w.requests[-1].arrival
     assert rate * mean_output == pytest.approx(0.5 * 200.0, rel=1e-9)

@@ -88,7 +88,7 @@ def test_at_load_sets_the_mean_rate_of_a_bursty_workload():
     from workloads.arrivals import mean_rate_factor
     from workloads.standard import at_load
 
-    w = at_load("bursty-mix", 4000, 0.8, capacity_tokens_per_s=400.0, seed=0, period=1.0)
+    w = at_load("bursty-mix", 4000, 0.8, capacity=400.0, seed=0, period=1.0)
     mean_output = sum(w.output_lens) / len(w.output_lens)
     offered = len(w.requests) / max(r.arrival for r in w.requests) * mean_output
     assert offered == pytest.approx(0.8 * 400.0, rel=0.1)

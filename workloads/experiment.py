@@ -1,3 +1,5 @@
+# Over 400 lines: the file's schema, its TOML/YAML parser with line numbers, and building its
+# workloads sit together, so that every error names the file, the line and the key.
 """Experiment files: one workload, one cluster shape, the axes to sweep, the SLO and the plots,
 read from TOML or YAML and checked in full before anything runs, so a typo costs a second, not
 a half-finished sweep.
@@ -168,6 +170,7 @@ class Experiment(_Section):
         return _unique(plots)
 
     _path: Path = PrivateAttr()
+    _allow_outside_paths: bool = PrivateAttr(False)
     _lines: dict[Loc, int] = PrivateAttr()
     _spec: WorkloadSpec | TraceSpec = PrivateAttr()
 
@@ -175,9 +178,20 @@ class Experiment(_Section):
     def path(self) -> Path:
         return self._path
 
-    def resolve(self, relative: str) -> Path:
-        """A path from the file, relative to the file's folder."""
-        return self._path.parent / Path(relative).expanduser()
+    def resolve(self, path: str, loc: Loc) -> Path:
+        """A path the file names (at key `loc`), relative to the file's folder. It may not
+        leave that folder (an absolute path, `..` or a link out of it), unless the file was
+        loaded with `allow_outside_paths`: a file someone hands you cannot make slotserve read
+        whatever it likes."""
+        folder = self._path.parent.resolve()
+        resolved = (folder / Path(path).expanduser()).resolve()
+        if not self._allow_outside_paths and not resolved.is_relative_to(folder):
+            raise self.error(
+                loc,
+                f"{path!r} leaves the experiment file's folder {folder}; keep the file there or allow "
+                "outside paths (`slotserve experiment --allow-outside-paths`)",
+            )
+        return resolved
 
     def error(self, loc: Loc, message: str) -> ExperimentError:
         """An error at the line of the key `loc` (or of its nearest enclosing key)."""
@@ -199,11 +213,17 @@ class Experiment(_Section):
 
 
 def load_experiment(
-    path: str | Path, *, batching: Collection[str], routing: Collection[str], seeds: list[int] | None = None
+    path: str | Path,
+    *,
+    batching: Collection[str],
+    routing: Collection[str],
+    seeds: list[int] | None = None,
+    allow_outside_paths: bool = False,
 ) -> Experiment:
-    """Read, validate and build an experiment file (`.toml`, `.yaml` or `.yml`): every key, the
-    policy names (against `batching` and `routing`), and the workload of every seed. `seeds`
-    replaces the file's sweep.seeds (a command-line override)."""
+    """Read, validate and build an experiment file (`.toml`, `.yaml` or `.yml`; parsed, never
+    executed): every key, the policy names (against `batching` and `routing`), and the workload
+    of every seed. `seeds` replaces the file's sweep.seeds (a command-line override); paths in
+    the file stay inside its folder unless `allow_outside_paths`."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -217,6 +237,7 @@ def load_experiment(
     except ValidationError as err:
         raise _first_error(path, lines, err, ()) from None
     experiment._path, experiment._lines = path, lines
+    experiment._allow_outside_paths = allow_outside_paths
     experiment._spec = _base_spec(experiment)
     _check_workloads(experiment)
     return experiment
@@ -232,7 +253,7 @@ def _base_spec(experiment: Experiment) -> WorkloadSpec | TraceSpec:
             raise experiment.error(("workload", "spec", "seed"), "seeds come from sweep.seeds")
         data = dict(section.spec)
         if data.get("source") == "trace" and data.get("path") is not None:
-            data["path"] = str(experiment.resolve(data["path"]))
+            data["path"] = str(experiment.resolve(data["path"], ("workload", "spec", "path")))
         return _validated(experiment, ("workload", "spec"), lambda: parse_spec(data))
     for key in ("args", "override"):
         if "seed" in getattr(section, key):
@@ -241,19 +262,28 @@ def _base_spec(experiment: Experiment) -> WorkloadSpec | TraceSpec:
 
 
 def _standard(experiment: Experiment, args: dict[str, Any]) -> WorkloadSpec | TraceSpec:
-    """The standard workload with workload.args, then `args` (one of sweep.workload's sets), then workload.override."""
+    """The standard workload with workload.args, then `args` (one of sweep.workload's sets), then
+    workload.override. A set with its own `standard` names another standard workload, made
+    from that set's arguments alone (so one file can compare workloads)."""
     section = experiment.workload
     at = ("sweep", "workload") if args else ("workload", "args")
     if section.standard is None:
         raise experiment.error(at, "sweep.workload varies a standard workload's arguments; this one is a full spec")
     if "seed" in args:
         raise experiment.error(at, "seeds come from sweep.seeds")
+    name, merged = section.standard, {**section.args, **args}
+    if "standard" in args:
+        try:
+            name = STANDARD_SPECS.check(args["standard"])
+        except ValueError as err:
+            raise experiment.error(at, str(err)) from None
+        merged = {k: v for k, v in args.items() if k != "standard"}
     try:
-        spec = standard_spec(section.standard, **{**section.args, **args})
+        spec = standard_spec(name, **merged)
     except ValidationError as err:  # a value the spec refuses, under the argument's name
         raise experiment.invalid(err, at) from None
     except TypeError as err:  # an argument the factory does not take
-        raise experiment.error(at, f"{section.standard}: {err}") from None
+        raise experiment.error(at, f"{name}: {err}") from None
     except ValueError as err:  # the factory's own check (azure-conv's fixed seed)
         raise experiment.error(at, str(err)) from None
     return _validated(experiment, ("workload", "override"), lambda: spec.replace(**section.override))

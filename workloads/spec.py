@@ -14,7 +14,9 @@ from typing import Annotated, Literal, Self
 from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, TypeAdapter, model_validator
 
 from workloads.arrivals import AllAtOnce, ArrivalProcess, ClosedLoopArrivals
+from workloads.capacity import Capacity
 from workloads.lengths import LengthDist
+from workloads.prefixes import SharedPrefix
 from workloads.traces import AZURE_CONV, read_azure_csv, read_mooncake_jsonl
 from workloads.workload import ClosedLoop, SpecModel, Workload, WorkloadRequest
 
@@ -30,18 +32,19 @@ class _Spec(SpecModel):
     def has_rate(self) -> bool:
         return True
 
-    def at_load(self, load: float, capacity_tokens_per_s: float) -> Self:
-        """This spec with arrivals at `load` x a measured capacity (output tokens/s): mean request
-        rate = load * capacity / mean output length, the mean read off the built lengths (they do
-        not depend on the rate). A spec with no rate (all at once, closed loop) comes back as it
-        is: its size or its users set its load."""
-        if load <= 0 or capacity_tokens_per_s <= 0:
-            raise ValueError(f"load ({load}) and capacity_tokens_per_s ({capacity_tokens_per_s}) must be > 0")
+    def at_load(self, load: float, capacity: Capacity | float) -> Self:
+        """This spec with arrivals at `load` x a measured capacity (`workloads.capacity`): mean
+        request rate = load / mean work per request, the work (prefill and decode at the
+        cluster's rates) read off the built lengths (they do not depend on the rate). A bare
+        number is a decode-only capacity (output tokens/s, prefill free). A spec with no rate
+        (all at once, closed loop) comes back as it is: its size or its users set its load."""
+        capacity = Capacity.of(capacity)
+        if load <= 0:
+            raise ValueError(f"load must be > 0, got {load}")
         if not self.has_rate:
             return self
-        lens = self.build().output_lens
-        mean_output = sum(lens) / len(lens)
-        return self.with_mean_rate(load * capacity_tokens_per_s / mean_output)
+        requests = self.build().requests
+        return self.with_mean_rate(capacity.rate_for(load, ((r.prompt_len, r.output_len) for r in requests)))
 
 
 class WorkloadSpec(_Spec):
@@ -64,6 +67,7 @@ class WorkloadSpec(_Spec):
     long_prompt_share: float = Field(0.0, ge=0.0, le=1.0)
     long_prompt_len: PositiveInt = 480
     sessions: PositiveInt | None = None
+    shared_prefix: SharedPrefix | None = None  # prompts as shared-prefix sessions (workloads.prefixes)
     rng_layout: Literal["split", "single"] = "split"
 
     @model_validator(mode="after")
@@ -72,6 +76,10 @@ class WorkloadSpec(_Spec):
             raise ValueError(
                 "rng_layout 'single' needs all_at_once arrivals and long_prompt_share 0 "
                 "(use 'split', so lengths do not depend on the arrivals)"
+            )
+        if self.shared_prefix is not None and (self.sessions is not None or self.long_prompt_share > 0):
+            raise ValueError(
+                "shared_prefix makes its own sessions and prompts: leave sessions and long_prompt_share unset"
             )
         return self
 
@@ -97,10 +105,13 @@ class WorkloadSpec(_Spec):
                 output = self.output_len.sample(rng)
                 prompt = self.long_prompt_len if rng.random() < self.long_prompt_share else self.prompt_len.sample(rng)
                 lengths.append((prompt, output))
-        requests = [
-            WorkloadRequest(t, prompt, output, None if self.sessions is None else f"s{i % self.sessions}")
-            for i, (t, (prompt, output)) in enumerate(zip(times, lengths))
-        ]
+        if self.shared_prefix is not None:
+            requests = self.shared_prefix.requests(times, lengths, self.seed)
+        else:
+            requests = [
+                WorkloadRequest(t, prompt, output, None if self.sessions is None else f"s{i % self.sessions}")
+                for i, (t, (prompt, output)) in enumerate(zip(times, lengths))
+            ]
         params = {
             "num_requests": n,
             **self.arrivals.model_dump(),
@@ -121,7 +132,7 @@ class TraceSpec(_Spec):
     source: Literal["trace"] = "trace"
     format: Literal["azure", "mooncake"]
     path: str | None = None
-    name: str | None = Field(None, min_length=1)  # None: the reader's ("azure-conv", "mooncake")
+    name: str | None = Field(None, min_length=1)  # None: the trace file's name without its suffix
     time_scale: PositiveFloat = 1.0
     length_scale: PositiveFloat = 1.0
     every: PositiveInt = 1

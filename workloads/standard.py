@@ -7,7 +7,9 @@ from collections.abc import Callable
 
 from protocol.registry import Registry
 from workloads.arrivals import AllAtOnce, BurstyArrivals
+from workloads.capacity import Capacity
 from workloads.lengths import LognormalLength, MixtureLength, UniformLength
+from workloads.prefixes import SharedPrefix
 from workloads.spec import TraceSpec, WorkloadSpec
 from workloads.workload import Workload
 
@@ -68,6 +70,56 @@ def long_prompts_spec(
     return bursty_mix_spec(num_requests, rate, burst_factor, period, long_prompt_share=0.15, seed=seed)
 
 
+def heavy_tail_spec(
+    num_requests: int = 200, rate: float = 4.0, burst_factor: float = 3.0, period: float = 2.0, seed: int = 0
+) -> WorkloadSpec:
+    """Bursty arrivals with heavy-tailed work: prompts lognormal (median 48, sigma 1.0, 8-320
+    tokens) and outputs lognormal (median 24, sigma 1.2, 2-192), so one request can carry a
+    hundred times another's work; fits a 512-token slot."""
+    return WorkloadSpec(
+        name="heavy-tail",
+        seed=seed,
+        num_requests=num_requests,
+        arrivals=BurstyArrivals(rate=rate, burst_factor=burst_factor, period=period),
+        prompt_len=LognormalLength(median=48, sigma=1.0, low=8, high=320),
+        output_len=LognormalLength(median=24, sigma=1.2, low=2, high=192),
+    )
+
+
+def shared_prefix_spec(
+    num_requests: int = 200,
+    rate: float = 4.0,
+    burst_factor: float = 3.0,
+    period: float = 2.0,
+    system_prompt_lens: tuple[int, ...] = (320, 288, 256, 224, 192, 160, 128, 96),
+    zipf_s: float = 1.1,
+    active_sessions: int = 16,
+    turns: int = 4,
+    seed: int = 0,
+) -> WorkloadSpec:
+    """Multi-turn chat on a few shared system prompts (`workloads.prefixes.SharedPrefix`):
+    system prompts of the stated lengths picked by Zipf popularity, sessions of up to `turns`
+    turns each extending the last; each turn's user message 16-48 tokens, its answer
+    lognormal (median 24, sigma 1.0, 4-128); bursty arrivals; a turn's prompt and answer stay
+    within 480 tokens. The eight system prompts (1,664 tokens) do not all fit in a replica's
+    prefix cache beside its running requests at 8 slots x 512, so where a request goes matters."""
+    return WorkloadSpec(
+        name="shared-prefix",
+        seed=seed,
+        num_requests=num_requests,
+        arrivals=BurstyArrivals(rate=rate, burst_factor=burst_factor, period=period),
+        prompt_len=UniformLength(low=16, high=48),
+        output_len=LognormalLength(median=24, sigma=1.0, low=4, high=128),
+        shared_prefix=SharedPrefix(
+            system_prompt_lens=system_prompt_lens,
+            zipf_s=zipf_s,
+            active_sessions=active_sessions,
+            turns=turns,
+            max_prompt_len=480,
+        ),
+    )
+
+
 def azure_conv_spec(
     num_requests: int = 200,
     seed: int = 0,
@@ -100,6 +152,8 @@ STANDARD_SPECS: Registry[Callable[..., WorkloadSpec | TraceSpec]] = Registry(
         "bursty-mix": bursty_mix_spec,
         "long-prompts": long_prompts_spec,
         "azure-conv": azure_conv_spec,
+        "heavy-tail": heavy_tail_spec,
+        "shared-prefix": shared_prefix_spec,
     },
 )
 
@@ -129,14 +183,12 @@ def long_prompts(*args, **kwargs) -> Workload:
     return long_prompts_spec(*args, **kwargs).build()
 
 
-def at_load(
-    name: str, num_requests: int, load: float, capacity_tokens_per_s: float, seed: int = 0, **shape
-) -> Workload:
-    """The named standard workload with arrivals at `load` x a measured capacity (output
-    tokens/s), built, with load and capacity in its params (see `WorkloadSpec.at_load`).
-    `saturated` has no rate and comes back as it is."""
+def at_load(name: str, num_requests: int, load: float, capacity: Capacity | float, seed: int = 0, **shape) -> Workload:
+    """The named standard workload with arrivals at `load` x a measured capacity
+    (`workloads.capacity`; a bare number: decode tokens/s), built, with load and capacity in
+    its params (see `WorkloadSpec.at_load`). `saturated` has no rate and comes back as it is."""
     spec = standard_spec(name, num_requests=num_requests, seed=seed, **shape)
-    workload = spec.at_load(load, capacity_tokens_per_s).build()
+    workload = spec.at_load(load, capacity).build()
     if spec.has_rate:
-        workload.params.update({"load": load, "capacity_tokens_per_s": capacity_tokens_per_s})
+        workload.params.update({"load": load, **Capacity.of(capacity).as_params()})
     return workload

@@ -1,6 +1,8 @@
 """Real request traces as workloads: the Azure LLM inference CSV format and the Mooncake
-JSONL format. Only timing and lengths are read; prompts are made to the given length
-deterministically (`workload.prompt_token_ids`) and outputs forced to the given length.
+JSONL format. Timing and lengths are read, and Mooncake's `hash_ids` (the prompt's blocks of
+512 tokens, equal ids for equal blocks): prompts are made to the given length deterministically
+(`workload.request_prompt`; with hash_ids, from those blocks, so requests that share ids share
+that prefix) and outputs forced to the given length. A trace workload is named after its file.
 
 A trace is far beyond a small machine's capacity, so every reader takes a time scale
 (multiply inter-arrival gaps), a length scale (multiply prompt and output lengths), a sample
@@ -19,6 +21,7 @@ from pathlib import Path
 from workloads.workload import Workload, WorkloadRequest
 
 AZURE_CONV = Path(__file__).parent / "data" / "azure_llm_2023_conv.csv"
+MOONCAKE_SAMPLE = Path(__file__).parent / "data" / "mooncake_sample.jsonl"  # small, synthetic: see data/README.md
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
@@ -26,23 +29,26 @@ class TraceError(ValueError):
     """A trace file is malformed; the message names the file and line."""
 
 
+MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in the published Mooncake traces
+
+
 def _scaled(
-    raw: list[tuple[float, int, int, int]],
+    raw: list[tuple[float, int, int, int, tuple[int, ...]]],
     path: Path,
-    name: str,
     time_scale: float,
     length_scale: float,
     every: int,
     limit: int | None,
     start_offset: float,
-    extra: dict,
+    block_tokens: int = 0,
 ) -> Workload:
-    """raw: (seconds since the trace's first request, prompt, output, line). Checks, samples,
-    scales, and rebases arrivals to 0 at the first request kept."""
+    """raw: (seconds since the trace's first request, prompt, output, line, block ids). Checks,
+    samples, scales (a block of `block_tokens` tokens too, so a scaled prompt still spans its
+    blocks), and rebases arrivals to 0 at the first request kept. Named after the file."""
     if time_scale <= 0 or length_scale <= 0 or every < 1:
         raise TraceError(f"{path}: time_scale and length_scale must be > 0 and every >= 1")
     previous = None
-    for t, prompt, output, line in raw:
+    for t, prompt, output, line, _ in raw:
         if prompt < 0 or output < 0:
             raise TraceError(f"{path}:{line}: negative length (prompt {prompt}, output {output})")
         if previous is not None and t < previous:
@@ -52,9 +58,16 @@ def _scaled(
     if not kept:
         raise TraceError(f"{path}: no requests after start offset {start_offset} s")
     t0 = kept[0][0]
+    block_len = max(1, round(block_tokens * length_scale)) if block_tokens else 0
     requests = [
-        WorkloadRequest((t - t0) * time_scale, max(1, round(p * length_scale)), max(1, round(o * length_scale)))
-        for t, p, o, _ in kept
+        WorkloadRequest(
+            (t - t0) * time_scale,
+            max(1, round(p * length_scale)),
+            max(1, round(o * length_scale)),
+            blocks=blocks,
+            block_len=block_len if blocks else 0,
+        )
+        for t, p, o, _, blocks in kept
     ]
     params = {
         "path": path.name,
@@ -63,9 +76,10 @@ def _scaled(
         "every": every,
         "limit": limit,
         "start_offset": start_offset,
-        **extra,
     }
-    return Workload(name, 0, requests, params)
+    if block_len:
+        params["block_len"] = block_len
+    return Workload(path.stem, 0, requests, params)
 
 
 def read_azure_csv(
@@ -91,8 +105,8 @@ def read_azure_csv(
             except (TypeError, ValueError) as err:
                 raise TraceError(f"{path}:{line}: {err}") from None
             start = start or when
-            raw.append(((when - start).total_seconds(), prompt, output, line))
-    return _scaled(raw, path, "azure-conv", time_scale, length_scale, every, limit, start_offset, {})
+            raw.append(((when - start).total_seconds(), prompt, output, line, ()))
+    return _scaled(raw, path, time_scale, length_scale, every, limit, start_offset)
 
 
 def read_mooncake_jsonl(
@@ -104,7 +118,8 @@ def read_mooncake_jsonl(
     start_offset: float = 0.0,
 ) -> Workload:
     """The Mooncake format: one JSON object a line with `timestamp` (ms), `input_length`,
-    `output_length` (and `hash_ids`, not used here)."""
+    `output_length` and, optionally, `hash_ids` (a list of ints: the prompt's blocks of 512
+    tokens, scaled with `length_scale`)."""
     path = Path(path)
     raw = []
     with open(path) as f:
@@ -113,8 +128,17 @@ def read_mooncake_jsonl(
                 continue
             try:
                 row = json.loads(text)
+                blocks = row.get("hash_ids") or []
+                if not isinstance(blocks, list) or not all(isinstance(b, int) for b in blocks):
+                    raise ValueError(f"hash_ids must be a list of ints, got {blocks!r}")
                 raw.append(
-                    (float(row["timestamp"]) / 1000.0, int(row["input_length"]), int(row["output_length"]), line)
+                    (
+                        float(row["timestamp"]) / 1000.0,
+                        int(row["input_length"]),
+                        int(row["output_length"]),
+                        line,
+                        tuple(blocks),
+                    )
                 )
             except KeyError as err:
                 raise TraceError(f"{path}:{line}: missing field {err}") from None
@@ -122,5 +146,5 @@ def read_mooncake_jsonl(
                 raise TraceError(f"{path}:{line}: {err}") from None
     if raw:
         first = raw[0][0]
-        raw = [(t - first, p, o, line) for t, p, o, line in raw]
-    return _scaled(raw, path, "mooncake", time_scale, length_scale, every, limit, start_offset, {})
+        raw = [(t - first, *rest) for t, *rest in raw]
+    return _scaled(raw, path, time_scale, length_scale, every, limit, start_offset, MOONCAKE_BLOCK_TOKENS)

@@ -22,10 +22,18 @@ class SpecModel(BaseModel):
 
 @dataclass(frozen=True)
 class WorkloadRequest:
+    """One request. `blocks` gives its prompt a prefix structure: the prompt is the
+    concatenation of those blocks of `block_len` tokens each (a block id always stands for the
+    same tokens within a workload, so requests naming the same leading ids share that prefix,
+    as Mooncake's `hash_ids` do), cut or padded with the request's own tokens to `prompt_len`.
+    Without blocks the whole prompt is the request's own."""
+
     arrival: float  # seconds after the start of the run
     prompt_len: int
     output_len: int  # forced: replayed with ignore_eos and max_tokens = output_len
     session_id: str | None = None
+    blocks: tuple[int, ...] = ()
+    block_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,24 @@ def prompt_token_ids(length: int, seed: int, vocab_size: int) -> list[int]:
     return [rng.randrange(_FIRST_ORDINARY_TOKEN, top) for _ in range(length)]
 
 
+def block_token_ids(block_id: int, block_len: int, workload_seed: int, vocab_size: int) -> list[int]:
+    """The tokens a prompt block id stands for in a workload replayed with `workload_seed`."""
+    rng = random.Random(f"block-{workload_seed}-{block_id}")
+    top = min(vocab_size, 32_000)
+    return [rng.randrange(_FIRST_ORDINARY_TOKEN, top) for _ in range(block_len)]
+
+
 def request_prompt(workload_seed: int, index: int, request: WorkloadRequest, vocab_size: int) -> list[int]:
     """The prompt of the `index`-th request of a workload replayed with `workload_seed`: the
-    same ids whether the in-process replay or the cluster driver sends it."""
-    return prompt_token_ids(request.prompt_len, workload_seed * 1_000_003 + index, vocab_size)
+    same ids whether the in-process replay or the cluster driver sends it. A request with
+    `blocks` starts with its blocks' tokens (see WorkloadRequest)."""
+    own_seed = workload_seed * 1_000_003 + index
+    if not request.blocks:
+        return prompt_token_ids(request.prompt_len, own_seed, vocab_size)
+    ids: list[int] = []
+    for block_id in request.blocks:
+        if len(ids) >= request.prompt_len:
+            break
+        ids += block_token_ids(block_id, request.block_len, workload_seed, vocab_size)
+    ids = ids[: request.prompt_len]
+    return ids + prompt_token_ids(request.prompt_len - len(ids), own_seed, vocab_size)

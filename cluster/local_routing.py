@@ -1,0 +1,120 @@
+"""Routing inside the client (`Client(routing="local")`): the pure `router.Router` runs in the
+client's process, as Ray Serve's handle routes, so placing a request costs no Ray call.
+
+It sees what the router actor sees, fetched in one batch: a background thread calls the actor's
+`sync` every `period` seconds (the replicas' own report interval), which hands over the
+decisions made here since the last call (recorded by the actor as its own, so the store and
+the audit read the same) and returns every replica's last load report and which replicas are
+down. Its in-flight counts and reservations are this client's own requests: it is told of
+each end by the client (with the output length, so length estimates learn), not by the
+replicas, whose completions go to the actor as before. Several clients routing locally each
+know only their own requests between reports; the actor's view counts every client's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+
+import ray
+
+from protocol.errors import SlotServeError
+from replica.serving import REPORT_INTERVAL
+from router.load import RouteRequest
+from router.router import Router
+
+ROUTING_MODES = ("actor", "local")
+
+
+class LocalRouter:
+    """A `Router` behind a lock (the client routes from its callers' threads and its event
+    loop, and hears of ends on its feeds' threads), kept fresh by a sync thread."""
+
+    def __init__(self, router_actor, replica_ids: list[str], period: float = REPORT_INTERVAL):
+        status = ray.get(router_actor.status.remote(), timeout=60)
+        self._router = Router(
+            replica_ids,
+            status["policy"],
+            max_in_flight_per_replica=status["max_in_flight_per_replica"],
+            max_in_flight=status["max_in_flight"],
+        )
+        self._actor = router_actor
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.syncs = 0
+        self.sync_errors = 0
+        self.sync(timeout=60)
+        # The thread holds this object weakly, so a dropped client's router stops syncing.
+        threading.Thread(
+            target=_sync_loop, args=(weakref.ref(self), self._stop, period), daemon=True, name="slotserve-sync"
+        ).start()
+
+    @property
+    def policy(self) -> str:
+        return self._router.policy.name
+
+    def route_many(self, routes: list[tuple]) -> list[str | SlotServeError]:
+        """As `RouterActor.route_many`: one answer per route tuple, a replica id or the typed
+        error that refused it."""
+        answers: list[str | SlotServeError] = []
+        with self._lock:
+            for route in routes:
+                rid, prompt_len, max_tokens, session, moved_from, hashes, size = route
+                try:
+                    decision = self._router.route(
+                        RouteRequest(rid, prompt_len, max_tokens, session, tuple(hashes), size), moved_from
+                    )
+                    answers.append(decision.replica_id)
+                except SlotServeError as err:
+                    answers.append(err)
+        return answers
+
+    def complete(self, request_id: str, output_len: int | None, replica_id: str | None) -> None:
+        with self._lock:
+            self._router.complete(request_id, output_len, replica_id)
+
+    def replica_lost(self, replica_id: str, reason: str) -> None:
+        with self._lock:
+            if replica_id in self._router.replica_ids:
+                self._router.mark_down(replica_id, f"lost: {reason}"[:200])
+
+    def sync(self, timeout: float = 10.0) -> None:
+        """Send the decisions made here, take the actor's reports and down marks."""
+        with self._lock:
+            decisions = self._router.drain_decisions()
+        reports, down = ray.get(self._actor.sync.remote(decisions), timeout=timeout)
+        with self._lock:
+            for replica_id in reports.keys() - set(self._router.replica_ids):
+                self._router.add_replica(replica_id)
+            for report in reports.values():
+                self._router.report(report)
+            for replica_id in self._router.replica_ids:
+                if replica_id in down and self._router.down.get(replica_id) != down[replica_id]:
+                    self._router.mark_down(replica_id, down[replica_id])
+                elif replica_id not in down and replica_id in self._router.down:
+                    self._router.mark_up(replica_id)
+        self.syncs += 1
+
+    def close(self) -> None:
+        """Stop syncing, after one last sync so the decisions made here are recorded."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            self.sync()
+        except Exception:  # noqa: BLE001 - best effort at close: the actor may be gone
+            self.sync_errors += 1
+
+
+def _sync_loop(ref: weakref.ref, stop: threading.Event, period: float) -> None:
+    while not stop.wait(period):
+        local = ref()
+        if local is None or not ray.is_initialized():
+            return
+        try:
+            local.sync()
+        except Exception:  # noqa: BLE001 - a router Ray is restarting: the next sync catches up
+            local.sync_errors += 1
+            time.sleep(period)
+        del local

@@ -1,0 +1,54 @@
+"""A routing comparison's verdict from repeated runs: per policy the median goodput and TTFT p99
+over its rounds with their spread (max - min), the winner on each, by how much over the
+runner-up, and whether the lead holds beyond run-to-run noise: the winner's worst round beats
+the runner-up's best round. One line a person can act on, under a small table.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+Figure = Callable[[dict], float]
+
+GOODPUT: Figure = lambda a: a["cluster"]["goodput"]  # noqa: E731 - a named figure
+TTFT_P99: Figure = lambda a: a["cluster"]["ttft"]["p99"] or 0.0  # noqa: E731
+
+
+def _stats(runs: list[dict], figure: Figure) -> tuple[float, float]:
+    values = [figure(a) for a in runs]
+    return statistics.median(values), max(values) - min(values)
+
+
+def _lead(by_policy: dict[str, list[dict]], figure: Figure, higher_is_better: bool) -> str:
+    """The winner on `figure`, by how much over the runner-up, the spreads, and whether the
+    lead holds beyond them."""
+    sign = 1 if higher_is_better else -1
+    ranked = sorted(by_policy, key=lambda p: -sign * _stats(by_policy[p], figure)[0])
+    first, second = ranked[0], ranked[1]
+    (a, spread_a), (b, spread_b) = _stats(by_policy[first], figure), _stats(by_policy[second], figure)
+    ratio = (a / b if b else float("inf")) if higher_is_better else (b / a if a else float("inf"))
+    holds = min(sign * figure(x) for x in by_policy[first]) > max(sign * figure(x) for x in by_policy[second])
+    rounds = min(len(r) for r in by_policy.values())
+    how = f"holds: its worst of {rounds} rounds beats {second}'s best" if holds else "within run-to-run noise"
+    return (
+        f"{first} {a:.3g} vs {second} {b:.3g}, {ratio:.2f}x {'higher' if higher_is_better else 'lower'} "
+        f"(spreads {spread_a:.3g} / {spread_b:.3g}; {how})"
+    )
+
+
+def verdict_table(by_policy: dict[str, list[dict]]) -> str:
+    """Per policy: median (spread) of goodput and TTFT p99 over its rounds."""
+    lines = [f"{'routing':<18}{'good tok/s':>22}{'TTFT p99 s':>22}  rounds"]
+    for policy, runs in by_policy.items():
+        cells = [f"{m:>12.2f} ({s:6.2f})" for m, s in (_stats(runs, GOODPUT), _stats(runs, TTFT_P99))]
+        lines.append(f"{policy:<18}{cells[0]:>22}{cells[1]:>22}  {len(runs)}")
+    return "\n".join(lines)
+
+
+def verdict_line(by_policy: dict[str, list[dict]]) -> str:
+    """'verdict: goodput: X ... ; TTFT p99: Y ...' (see the module docstring)."""
+    if len(by_policy) < 2:
+        return "verdict: one policy only, nothing to compare"
+    goodput, ttft = _lead(by_policy, GOODPUT, True), _lead(by_policy, TTFT_P99, False)
+    return f"verdict: goodput (tok/s): {goodput}; TTFT p99 (s): {ttft}"

@@ -1,0 +1,64 @@
+"""Online output-length estimates for routing on work: learned from the lengths of finished
+requests, never from `max_tokens` (a replayed workload forces max_tokens to the true length,
+so reading it would be an oracle no real router has).
+
+`MeanLength` is the running mean of every finished request (what `least_work` uses).
+`BucketedLength` (what `predicted_length` uses, after Jain et al. 2024 in its simplest form):
+a session's last output length when the session has finished a turn, else the median of the
+last outputs of requests with a prompt of similar length (power-of-two buckets), else the
+running mean. Both start from `prior` tokens before anything has finished.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import OrderedDict, deque
+
+from router.load import RouteRequest
+
+
+class MeanLength:
+    name = "mean"
+
+    def __init__(self, prior: float = 64.0):
+        self.prior = prior
+        self.count = 0
+        self.total = 0
+
+    def estimate(self, request: RouteRequest) -> float:
+        return self.total / self.count if self.count else self.prior
+
+    def observe(self, request: RouteRequest, output_len: int) -> None:
+        self.count += 1
+        self.total += output_len
+
+
+class BucketedLength(MeanLength):
+    name = "bucketed"
+
+    def __init__(self, prior: float = 64.0, window: int = 64, min_samples: int = 5, max_sessions: int = 100_000):
+        super().__init__(prior)
+        self.window, self.min_samples, self.max_sessions = window, min_samples, max_sessions
+        self._buckets: dict[int, deque[int]] = {}
+        self._sessions: OrderedDict[str, int] = OrderedDict()
+
+    def estimate(self, request: RouteRequest) -> float:
+        if request.session_id is not None and request.session_id in self._sessions:
+            return float(self._sessions[request.session_id])
+        recent = self._buckets.get(_bucket(request.prompt_len))
+        if recent is not None and len(recent) >= self.min_samples:
+            return float(statistics.median(recent))
+        return super().estimate(request)
+
+    def observe(self, request: RouteRequest, output_len: int) -> None:
+        super().observe(request, output_len)
+        self._buckets.setdefault(_bucket(request.prompt_len), deque(maxlen=self.window)).append(output_len)
+        if request.session_id is not None:
+            self._sessions[request.session_id] = output_len
+            self._sessions.move_to_end(request.session_id)
+            if len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+
+
+def _bucket(prompt_len: int) -> int:
+    return max(prompt_len, 1).bit_length()

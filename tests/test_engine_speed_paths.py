@@ -1,0 +1,142 @@
+"""The engine's speed paths keep their answers: dtype "auto" picks bf16 only where the CPU has
+bf16 matrix units (or on a GPU); bf16 prepacked and int8 weight-only products agree with fp32;
+gathered attention over scattered slots equals the range view; the default model's directory
+loads in other tools (tied embeddings saved the standard way); the bench's greedy-agreement
+and vLLM environment helpers say what they should. Slow: bf16 and int8 greedy outputs of the
+real model against fp32 on a few prompts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from peers.engine_speed import BenchRow, agreement
+from peers.vllm_cpu import VllmSettings, environment
+from replica.attention import AttentionMetadata, build_group, slot_attention
+from replica.config import EngineConfig, resolve_dtype
+from replica.cpu import parse_cpuinfo
+from replica.linear import Linear, can_pack
+
+CPUINFO = "processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu sse2 avx2 fma {extra}\nprocessor\t: 1\n"
+
+
+def test_auto_dtype_follows_the_cpu_flags():
+    """bf16 with AVX512_BF16 or AMX, fp32 on an AVX2-only CPU, bf16 on a GPU; explicit dtypes kept."""
+    avx2 = parse_cpuinfo(CPUINFO.format(extra=""))
+    bf16 = parse_cpuinfo(CPUINFO.format(extra="avx512f avx512bw avx512_bf16"))
+    amx = parse_cpuinfo(CPUINFO.format(extra="avx512f amx_bf16 amx_tile"))
+    assert (avx2.model, avx2.cores, avx2.fast_bf16) == ("AMD EPYC 9R14", 2, False)
+    assert resolve_dtype("auto", "cpu", avx2) == "float32"
+    assert resolve_dtype("auto", "cpu", bf16) == "bfloat16"
+    assert resolve_dtype("auto", "cpu", amx) == "bfloat16"
+    assert resolve_dtype("auto", "cuda", avx2) == "bfloat16"
+    assert resolve_dtype("float32", "cpu", bf16) == "float32"
+    assert resolve_dtype("bfloat16", "cpu", avx2) == "bfloat16"
+    assert "avx512_bf16" in bf16.describe() and "avx512_bf16" not in avx2.describe()
+    assert EngineConfig().dtype == "auto"
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_bf16_packed_and_int8_products_match_fp32(rows):
+    """Each path's product is within its dtype's rounding of the fp32 product; int8 serves only
+    steps of at most int8_rows rows."""
+    torch.manual_seed(0)
+    w, b, x = torch.randn(200, 96) * 0.05, torch.randn(200), torch.randn(rows, 96)
+    ref = F.linear(x, w, b)
+    fp32 = Linear(w, b)
+    bf16 = Linear(w.bfloat16(), b.bfloat16())
+    int8 = Linear(w.bfloat16(), b.bfloat16(), int8_rows=3)
+    assert fp32.packed and bf16.packed == can_pack(w.bfloat16())
+    torch.testing.assert_close(fp32(x), ref, rtol=1e-4, atol=1e-4)
+    scale = ref.abs().max().item()
+    assert (bf16(x.bfloat16()).float() - ref).abs().max().item() < 0.03 * scale
+    got = int8(x.bfloat16()).float()
+    assert (got - ref).abs().max().item() < 0.05 * scale
+    # int8 rounds differently from bf16, so its result differs exactly where it is used
+    assert torch.equal(got, bf16(x.bfloat16()).float()) == (rows > 3)
+
+
+def test_gathered_attention_equals_the_range_view(monkeypatch):
+    """Decodes in scattered slots (gathered) and the same decodes read through the slot range."""
+    torch.manual_seed(0)
+    k, v = torch.randn(64, 3, 40, 16), torch.randn(64, 3, 40, 16)
+    q = torch.randn(3, 9, 16)
+    slots, positions = [2, 30, 61], [5, 39, 17]
+
+    def run(spread: int) -> torch.Tensor:
+        monkeypatch.setattr("replica.attention.GATHER_SPREAD", spread)
+        group = build_group([0, 1, 2], slots, [0, 0, 0], positions, 3, "cpu")
+        assert (group.kv_slots is not None) == (spread == 2)
+        return slot_attention(q, k, v, AttentionMetadata(torch.tensor(slots), [group], 3))
+
+    gathered, ranged = run(2), run(10**9)
+    torch.testing.assert_close(gathered, ranged)
+    # and against one sequence at a time
+    for i, (s, p) in enumerate(zip(slots, positions)):
+        qi = q[i].view(3, 3, 16)
+        ref = F.scaled_dot_product_attention(qi, k[s, :, : p + 1], v[s, :, : p + 1]).reshape(-1)
+        torch.testing.assert_close(gathered[i], ref)
+
+
+def test_greedy_agreement_counts_identical_requests():
+    """bf16 is compared with fp32 at the same policy and slots; vLLM with the largest fp32 run."""
+    fp32 = BenchRow("slotserve", "chunked", 64, 1.0, 0.0, outputs=[[1, 2], [3, 4], [5]])
+    bf16 = BenchRow("slotserve", "chunked", 64, 1.0, 0.0, dtype="bfloat16", outputs=[[1, 2], [3, 9], [5]])
+    other = BenchRow("slotserve", "chunked", 32, 1.0, 0.0, dtype="bfloat16", outputs=[[0], [0], [0]])
+    vllm = BenchRow(
+        "vllm", "VLLM_CPU_OMP_THREADS_BIND=0-1, x", 64, 1.0, 0.0, dtype="bfloat16", outputs=[[1, 2], [3, 4], [5]]
+    )
+    rows = agreement([fp32, bf16, other, vllm])
+    assert [(a["system"], a["identical"], a["requests"]) for a in rows] == [("slotserve", 2, 3), ("vllm", 3, 3)]
+
+
+def test_vllm_environment_binds_threads_and_drops_ours(monkeypatch):
+    """auto keeps vLLM's default; all binds every core; our OMP settings do not leak into vLLM."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert environment(VllmSettings("bfloat16", "auto"))["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+    env = environment(VllmSettings("float32", "all"))
+    assert env["VLLM_CPU_OMP_THREADS_BIND"].startswith("0-") and "OMP_NUM_THREADS" not in env
+
+
+@pytest.mark.slow
+def test_default_model_dir_loads_with_tied_embeddings_saved_the_standard_way():
+    """vLLM and transformers read `model.embed_tokens.weight` and tie the LM head to it."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from replica.model_loader import default_model_dir
+
+    path = default_model_dir()
+    config = json.loads((path / "config.json").read_text())
+    assert config["tie_word_embeddings"] and config["architectures"] == ["LlamaForCausalLM"]
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        embed = f.get_tensor("model.embed_tokens.weight")
+    assert "lm_head.weight" not in names and embed.abs().sum() > 0
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert torch.equal(hf.lm_head.weight, embed) and torch.equal(hf.model.embed_tokens.weight, embed)
+
+
+@pytest.mark.slow
+def test_bf16_and_int8_greedy_outputs_agree_with_fp32():
+    """The real model on a few prompts, 16 greedy tokens each: bf16 (prepacked) and bf16 with int8
+    weights at batch 1 mostly reproduce fp32; where they part, it is after the first tokens."""
+    from replica.engine import Engine
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Once upon a time", "Hello, my name"]
+    params = {"max_tokens": 16}
+
+    def outputs(**config) -> list[list[int]]:
+        engine = Engine(EngineConfig(policy="continuous", num_slots=1, max_seq_len=64, **config))
+        return [engine.generate([p], params)[0].token_ids for p in prompts]
+
+    fp32 = outputs(dtype="float32")
+    for config in ({"dtype": "bfloat16"}, {"dtype": "bfloat16", "int8_rows": 1}):
+        got = outputs(**config)
+        same = sum(a == b for a, b in zip(got, fp32))
+        print(f"{config}: {same}/{len(prompts)} identical to fp32")
+        assert same >= len(prompts) // 2, (config, got, fp32)
+        assert all(a[:2] == b[:2] for a, b in zip(got, fp32)), (config, got, fp32)

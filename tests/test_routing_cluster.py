@@ -1,0 +1,146 @@
+"""Routing on the Ray cluster with what the work- and cache-aware policies need: the client
+sends the prompt's block hashes, completions carry output lengths, and the pure Router can run
+inside the client (`Client(routing="local")`) fed by the router actor's reports. Local Ray,
+fake-step replicas."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from cluster.client import Client
+from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
+from cluster.driver import run_workload
+from metrics.store import MetricsStore
+from protocol.clock import FakeClock
+from replica import Engine, EngineConfig, InvalidRequestError
+from replica.fake_model import FlatCostModel, ScriptedFakeRunner
+from replica.serving import ReplicaConfig
+from workloads import bursty_mix
+
+PAGED = EngineConfig(num_slots=4, max_seq_len=256, kv_cache="paged", prefix_caching=True, block_size=16)
+FAKE = ReplicaConfig(engine=PAGED, fake_step_seconds=0.005)
+
+
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory):
+    """One local Ray instance and one 2-replica fake cluster (with a store) for the module:
+    each test sets the router's policy it needs; a cluster start is the slow part here."""
+    path = tmp_path_factory.mktemp("routing-cluster")
+    ray.init(address="local", num_cpus=4, namespace="slotserve", include_dashboard=False, log_to_driver=False)
+    deployment = start_cluster(ClusterSpec(num_replicas=2, replica=FAKE, store_path=str(path / "store.db")))
+    yield path, deployment
+    stop_cluster()
+    ray.shutdown()
+
+
+def test_final_output_carries_the_output_length():
+    """The engine's final output says how many tokens the request made, which the replica
+    passes to the router's `complete` so length estimates learn."""
+    clock = FakeClock()
+    engine = Engine(EngineConfig(num_slots=2, max_seq_len=64), ScriptedFakeRunner(clock, FlatCostModel(0.01)), clock)
+    engine.add_request([5, 6, 7], {"max_tokens": 7, "ignore_eos": True}, request_id="a")
+    finals = []
+    while engine.has_unfinished:
+        finals += [o for o in engine.step().outputs if o.finished]
+    assert [(o.request_id, o.num_output_tokens) for o in finals] == [("a", 7)]
+
+
+def test_prefix_affinity_follows_the_prompt_blocks(local_ray):
+    """With idle replicas the only difference prefix_affinity sees is where a prompt's blocks
+    are cached, which it knows only from the block hashes the client sends: every request
+    sharing a 64-token prefix goes to the replica the first went to (without hashes the tied
+    scores would alternate), through the router actor and routing in the client alike."""
+    _, deployment = local_ray
+    ray.get(deployment.router.set_policy.remote("prefix_affinity"))
+    for routing, first in (("actor", 200), ("local", 400)):
+        prefix = list(range(first, first + 64))
+        with Client(routing=routing) as client:
+            assert client.block_size == 16
+            replicas = [client.generate(prefix + [300 + i] * 8, max_tokens=2).replica_id for i in range(4)]
+        assert len(set(replicas)) == 1, (routing, replicas)
+
+
+def test_routing_in_the_client_serves_records_and_learns(local_ray):
+    """A workload replayed with the router inside the driver's client: every request ends,
+    both replicas serve, every decision is recorded under the run (shipped to the router
+    actor by the sync thread), nothing stays counted in flight, and the length estimate
+    learned from the finished requests' output lengths."""
+    path, deployment = local_ray
+    store_path = path / "store.db"
+    ray.get(deployment.router.set_policy.remote("predicted_length"))
+    workload = bursty_mix(num_requests=24, rate=50.0, seed=2)
+    run_id = run_workload(
+        deployment,
+        workload,
+        name="local",
+        config={},
+        batching_policy="continuous",
+        routing_policy="predicted_length",
+        progress=False,
+        client_routing="local",
+    )
+    store = MetricsStore(store_path)
+    traces = store.traces(run_id)
+    assert len(traces) == 24 and all(t.finish_reason == "length" for t in traces)
+    assert {t.replica for t in traces} == {"replica-0", "replica-1"}
+    decisions = store.decisions(run_id)
+    assert len(decisions) == 24 and {d["policy"] for d in decisions} == {"predicted_length"}
+
+    with pytest.raises(InvalidRequestError, match="routing"):
+        Client(routing="nearby")
+    with Client(routing="local") as client:
+        local = client._local
+        assert local.policy == "predicted_length" and local.syncs >= 1
+        client.generate([7] * 20, max_tokens=5, ignore_eos=True, session_id="s")
+        router = local._router
+        assert sum(v.in_flight for v in router.load.views(0.0)) == 0
+        # the session's last output (5 tokens) is what predicted_length now expects of it
+        probe = router.policy.lengths.estimate(_route("x", 20, "s"))
+        assert probe == 5
+
+
+def test_ray_serve_peer_serves_the_same_engine_and_records(local_ray):
+    """The replica engine as a Ray Serve deployment: with Serve's default router a workload
+    replayed through it is recorded in the store with every token (both replicas serving);
+    with Serve's PrefixCacheAffinityRouter, prompts of token ids sharing a 64-token prefix all
+    go to one replica, which it can only know from the token-per-character prompt text."""
+    from cluster import serve_baseline
+
+    store = MetricsStore(local_ray[0] / "serve.db")
+    config = ReplicaConfig(engine=EngineConfig(num_slots=2, max_seq_len=256), fake_step_seconds=0.005)
+    try:
+        handle = serve_baseline.deploy(config, 2, "serve_power_of_two", num_cpus=0.5)
+        workload = bursty_mix(num_requests=12, rate=40.0, seed=3)
+        run_id = serve_baseline.run_workload(
+            handle,
+            workload,
+            store,
+            name="serve",
+            router="serve_power_of_two",
+            config={},
+            batching_policy="continuous",
+            vocab_size=1000,
+        )
+        traces = store.traces(run_id)
+        assert len(traces) == 12 and all(t.finish_reason == "length" for t in traces)
+        assert sorted(t.num_output_tokens for t in traces) == sorted(workload.output_lens)
+        assert len({t.replica for t in traces}) == 2 and store.run(run_id)["routing_policy"] == "serve_power_of_two"
+        serve_baseline.shutdown()
+
+        handle = serve_baseline.deploy(config, 2, "serve_prefix_cache", num_cpus=0.5)
+        prefix = list(range(200, 264))
+        replicas = set()
+        for i in range(4):
+            ids = prefix + [300 + i] * 4
+            request = serve_baseline.ServeRequest(f"p{i}", ids, 2, 0.0, serve_baseline.token_text(ids))
+            replicas |= {chunk[0] for chunk in handle.options(stream=True).remote(request)}
+        assert len(replicas) == 1, replicas
+    finally:
+        serve_baseline.shutdown()
+
+
+def _route(request_id: str, prompt_len: int, session: str):
+    from router.load import RouteRequest
+
+    return RouteRequest(request_id, prompt_len, 64, session)

@@ -1,0 +1,90 @@
+"""A cluster's capacity for the work requests carry, and a workload's load against it.
+
+A request costs its prefill and its decode. The cluster is measured doing each at saturation
+(every slot of every replica busy): `prefill_tokens_per_s` and `decode_tokens_per_s`, as the
+engine (or the simulator's cost model) prices them. A request's work is then the cluster time
+its tokens take at those rates, `prompt_len / prefill + output_len / decode` seconds, and a
+workload's load is its arrival rate times its mean work per request: load 1.0 keeps the
+cluster exactly busy. Counting decode alone (the old definition) offered a prefill-heavy trace
+many times what the cluster can serve at "load 0.8".
+
+The sum is conservative: a step that mixes decodes and prefill chunks shares its fixed cost,
+so mixed traffic is served a little faster than its parts measured apart. Prefix-cache hits
+are not subtracted: the work is the request's own, what a router can save by placing it well
+is the comparison.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+PROBE_PROMPT_LEN = 32  # tokens per decode-probe prompt
+PROBE_MAX_TOKENS = 24
+PREFILL_PROBE_LEN = 256  # tokens per prefill-probe prompt (less when the slots are shorter)
+PREFILL_PROBE_ROUNDS = 2  # prefill probes fill every slot this many times
+
+
+@dataclass(frozen=True)
+class Capacity:
+    decode_tokens_per_s: float
+    prefill_tokens_per_s: float = math.inf  # inf: prefill counted free (decode-only capacity)
+
+    def __post_init__(self) -> None:
+        if not self.decode_tokens_per_s > 0 or not self.prefill_tokens_per_s > 0:
+            raise ValueError(
+                f"capacity must be > 0 tokens/s, got decode {self.decode_tokens_per_s}, "
+                f"prefill {self.prefill_tokens_per_s}"
+            )
+
+    @classmethod
+    def of(cls, capacity: Capacity | float) -> Capacity:
+        """A Capacity, or a bare number read as decode tokens/s with prefill free."""
+        return capacity if isinstance(capacity, Capacity) else cls(float(capacity))
+
+    def work_seconds(self, prompt_len: int, output_len: int) -> float:
+        """Cluster seconds one request's tokens take at saturation."""
+        return prompt_len / self.prefill_tokens_per_s + output_len / self.decode_tokens_per_s
+
+    def rate_for(self, load: float, lengths: Iterable[tuple[int, int]]) -> float:
+        """Requests/s that offer `load` x this capacity for requests of these (prompt_len,
+        output_len): load / mean work, written as load x decode rate / (mean output + mean
+        prompt in decode-token equivalents), so a decode-only capacity gives exactly the old
+        load x capacity / mean output."""
+        if load <= 0:
+            raise ValueError(f"load must be > 0, got {load}")
+        pairs = list(lengths)
+        if not pairs:
+            raise ValueError("a workload without requests has no work")
+        mean_prompt = sum(p for p, _ in pairs) / len(pairs)
+        mean_output = sum(o for _, o in pairs) / len(pairs)
+        decode = self.decode_tokens_per_s
+        return load * decode / (mean_output + mean_prompt * decode / self.prefill_tokens_per_s)
+
+    def as_params(self) -> dict[str, float]:
+        """For a run's record (prefill left out when counted free)."""
+        params = {"capacity_tokens_per_s": self.decode_tokens_per_s}
+        if math.isfinite(self.prefill_tokens_per_s):
+            params["capacity_prefill_tokens_per_s"] = self.prefill_tokens_per_s
+        return params
+
+
+def decode_rate(token_times: Iterable[list[float]]) -> float:
+    """Output tokens/s of a saturating decode probe: tokens after each request's first, over
+    the time from the first first-token to the last token."""
+    times = [t for t in token_times if t]
+    first = min(t[0] for t in times)
+    last = max(t[-1] for t in times)
+    return sum(len(t) - 1 for t in times) / (last - first)
+
+
+def prefill_rate(prompt_len: int, first_tokens: Iterable[float], start: float) -> float:
+    """Prompt tokens/s of a saturating prefill probe (one-token outputs, all sent at `start`):
+    prompt tokens over the time to the last first token."""
+    firsts = list(first_tokens)
+    return prompt_len * len(firsts) / (max(firsts) - start)
+
+
+def prefill_probe_len(max_seq_len: int) -> int:
+    return min(PREFILL_PROBE_LEN, max_seq_len - 2)
