@@ -1,5 +1,5 @@
 # Two commands, each setting up what it needs first (idempotent):
-#   make run    a short comparison of the batching policies on the default model
+#   make run    a 3-minute routing comparison (round_robin against least_loaded, 4 fake replicas)
 #   make test   the test suite
 VENV    ?= .venv
 PYTHON  ?= python3

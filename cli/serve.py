@@ -32,8 +32,8 @@ def build_ingress(deployment, served_name: str | None = None, run_name: str = "s
     import ray
 
     from cluster.client import Client
-    from cluster.http_recorder import RunRecorder
-    from cluster.ingress import Ingress, ServedModel
+    from cluster.http.ingress import Ingress, ServedModel
+    from cluster.http.recorder import RunRecorder
 
     replicas = list(deployment.replicas.values())
     info = ray.get(replicas[0].info.remote(), timeout=60)
@@ -56,7 +56,7 @@ def http_server(ingress, host: str, port: int, api_key: str | None):
     """The uvicorn server of the ingress's app (`server.should_exit = True` stops it)."""
     import uvicorn
 
-    from cluster.http_api import create_app
+    from cluster.http.app import create_app
 
     config = uvicorn.Config(create_app(ingress, api_key), host=host, port=port, log_level="warning", lifespan="off")
     return uvicorn.Server(config)

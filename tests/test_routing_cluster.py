@@ -144,3 +144,24 @@ def _route(request_id: str, prompt_len: int, session: str):
     from router.load import RouteRequest
 
     return RouteRequest(request_id, prompt_len, 64, session)
+
+
+def test_verdict_names_the_winner_and_whether_it_holds():
+    """The closing line of `slotserve run`: the winner on goodput and on TTFT p99, by how
+    much, and 'holds' only when its worst round beats the runner-up's best."""
+    from metrics.verdict import verdict_line, verdict_table
+
+    def run(goodput: float, p99: float) -> dict:
+        return {"cluster": {"goodput": goodput, "ttft": {"p99": p99}}}
+
+    by_policy = {
+        "round_robin": [run(100, 2.0), run(110, 1.0), run(105, 1.5)],
+        "least_loaded": [run(130, 1.4), run(120, 1.2), run(125, 0.9)],
+    }
+    line = verdict_line(by_policy)
+    assert "goodput (tok/s): least_loaded 125 vs round_robin 105, 1.19x higher" in line
+    assert "holds: its worst of 3 rounds beats round_robin's best" in line
+    assert "TTFT p99 (s): least_loaded 1.2 vs round_robin 1.5, 1.25x lower" in line
+    assert line.endswith("within run-to-run noise)")
+    assert "least_loaded" in verdict_table(by_policy).splitlines()[2]
+    assert verdict_line({"one": [run(1, 1)]}).endswith("nothing to compare")

@@ -26,8 +26,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from cluster.ingress import Ingress, Prepared
-from cluster.openai_protocol import (
+from cluster.http.ingress import Ingress, Prepared
+from cluster.http.openai_protocol import (
     SSE_DONE,
     ChatCompletionRequest,
     CompletionRequest,

@@ -20,8 +20,8 @@ from typing import Any
 import ray
 
 from cluster.client import Client, ClusterError, Result
-from cluster.http_recorder import RunRecorder
-from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from cluster.http.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from cluster.http.recorder import RunRecorder
 from protocol.errors import DrainingError, OverloadedError, SlotServeError
 from protocol.messages import StreamEvent
 from replica.errors import InvalidRequestError, RequestTooLongError
