@@ -119,19 +119,8 @@ class ReplicaActor:
         }
 
     def health(self) -> HealthReport:
-        h = self.serving.health()
-        return HealthReport(
-            self.replica_id,
-            h.healthy,
-            h.reason,
-            h.last_step_age,
-            h.loop_error,
-            h.running,
-            h.queued,
-            sum(s.stream > 0 for s in self._subscribers.values()),
-            h.draining,
-            self.router is not None,
-            time.time(),
+        return self.serving.health(
+            subscribers=sum(s.stream > 0 for s in self._subscribers.values()), attached=self.router is not None
         )
 
     async def drain(self, timeout: float) -> dict[str, int]:

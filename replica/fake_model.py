@@ -58,6 +58,14 @@ class ScriptedFakeRunner:
             h = (h * 1_000_003 + t) % 2_147_483_647
         return h % self.vocab_size
 
+    def continuation(self, prompt: list[int], n: int) -> list[int]:
+        """The `n` tokens an undisturbed greedy run makes after `prompt`: what tests compare a
+        preempted, migrated or batched run against."""
+        ids = list(prompt)
+        for _ in range(n):
+            ids.append(self.next_token(ids))
+        return ids[len(prompt) :]
+
     def sample(self, request: Request) -> int:
         return self.next_token(request.token_ids(0, request.num_tokens))
 

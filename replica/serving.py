@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.errors import DrainingError, OverloadedError
-from protocol.messages import LoadReport
+from protocol.messages import HealthReport, LoadReport
 from replica.config import EngineConfig
 from replica.engine import Engine, RequestOutput, StepRecord
 from replica.errors import InvalidRequestError
@@ -100,19 +100,6 @@ class _Submission:
     accepted: asyncio.Future
     sink: Callable[[RequestOutput], None]
     resume: tuple[list[int], str] | None = None
-
-
-@dataclass(frozen=True)
-class ServingHealth:
-    """What `AsyncEngine.health()` finds (the actor adds what only it knows)."""
-
-    healthy: bool
-    reason: str | None
-    last_step_age: float
-    loop_error: str | None
-    running: int
-    queued: int
-    draining: bool
 
 
 class CompletionRate:
@@ -246,8 +233,9 @@ class AsyncEngine:
     def load(self) -> LoadReport:
         return load_report(self.engine, self.replica_id, sum(isinstance(i, _Submission) for i in self._inbox))
 
-    def health(self) -> ServingHealth:
-        """Unhealthy when the loop raised, or one step has run longer than `stall_timeout`."""
+    def health(self, subscribers: int = 0, attached: bool = False) -> HealthReport:
+        """Unhealthy when the loop raised, or one step has run longer than `stall_timeout`;
+        `subscribers` and `attached` are what only the actor around this loop knows."""
         now = time.monotonic()
         age = now - (self._step_started if self._step_started is not None else self._last_step)
         reason = None
@@ -255,14 +243,18 @@ class AsyncEngine:
             reason = f"step loop failed: {self.loop_error}"
         elif self._step_started is not None and age > self.stall_timeout:
             reason = f"one step has run for {age:.1f} s (stall limit {self.stall_timeout:g} s)"
-        return ServingHealth(
+        return HealthReport(
+            self.replica_id,
             reason is None,
             reason,
             age,
             self.loop_error,
             len(self.engine.scheduler.running),
             self.queued,
+            subscribers,
             self.draining,
+            attached,
+            time.time(),
         )
 
     async def drain(self, timeout: float) -> dict[str, int]:

@@ -66,13 +66,6 @@ def queued_ids(engine: Engine) -> set[str]:
     return {r.request_id for r in (*s.waiting, *s.running, *s.held)}
 
 
-def expected_tokens(runner: ScriptedFakeRunner, prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(runner.next_token(seq))
-    return seq[len(prompt) :]
-
-
 def run_all(engine: Engine, max_steps: int = 500) -> dict:
     """Step until done; returns request_id -> final RequestOutput, checking one final each."""
     engine.scheduler.close_arrivals()
@@ -249,7 +242,7 @@ def test_duplicate_request_id_rejected_original_untouched():
     assert engine.requests["dup"] is original and len(engine.scheduler.running) == 1
     finals = run_all(engine)
     assert finals["dup"].finish_reason is FinishReason.LENGTH
-    assert original.output_token_ids == expected_tokens(runner, [1, 2, 3], 4)
+    assert original.output_token_ids == runner.continuation([1, 2, 3], 4)
 
     engine.add_request([9, 9], {"max_tokens": 2, "ignore_eos": True}, request_id="dup")
     assert run_all(engine)["dup"].finish_reason is FinishReason.LENGTH
@@ -270,7 +263,7 @@ def test_bad_input_mid_run_does_not_disturb_running_requests():
     finished += list(run_all(engine))
     assert sorted(finished) == sorted(prompts)
     for rid, p in prompts.items():
-        assert _SEEN[rid].output_token_ids == expected_tokens(runner, p, 20)
+        assert _SEEN[rid].output_token_ids == runner.continuation(p, 20)
 
 
 _SEEN: dict[str, Request] = {}  # every Request queued in the current test, by id
@@ -315,7 +308,7 @@ def test_generate_still_works_after_rejections():
     done = engine.generate(
         [[1, 2], [3]], [{"max_tokens": 3, "ignore_eos": True}, {"max_tokens": 2, "ignore_eos": True}]
     )
-    assert [c.token_ids for c in done] == [expected_tokens(runner, [1, 2], 3), expected_tokens(runner, [3], 2)]
+    assert [c.token_ids for c in done] == [runner.continuation([1, 2], 3), runner.continuation([3], 2)]
     with pytest.raises(InvalidRequestError, match="2 params for 1 prompts"):
         engine.generate([[1]], [{"max_tokens": 1}, {"max_tokens": 1}])
 
@@ -351,8 +344,8 @@ def test_runner_error_fails_only_that_steps_requests(policy):
     finals = run_all(engine)
     assert set(finals) == {"c", "d"}
     assert all(f.finish_reason is FinishReason.LENGTH and f.error is None for f in finals.values())
-    assert _SEEN["c"].output_token_ids == expected_tokens(runner, [1, 2, 4], 7)
-    assert _SEEN["d"].output_token_ids == expected_tokens(runner, [8, 9], 3)
+    assert _SEEN["c"].output_token_ids == runner.continuation([1, 2, 4], 7)
+    assert _SEEN["d"].output_token_ids == runner.continuation([8, 9], 3)
     failed = _SEEN["a"]
     assert failed.finish_reason is FinishReason.ERROR and "injected" in failed.error
     assert len(failed.output_token_ids) == 1  # the one token made before the failure

@@ -21,6 +21,8 @@ from replica import EngineConfig, InvalidRequestError
 from replica.fake_model import ScriptedFakeRunner
 from replica.serving import ReplicaConfig
 
+FAKE = ScriptedFakeRunner(None)  # what an undisturbed run of the fake model makes: FAKE.continuation
+
 VOCAB = 1000  # the fake model's
 GOOD_PARAMS = {"max_tokens": 4, "ignore_eos": True}
 
@@ -64,13 +66,6 @@ bad_params = st.one_of(
 bad_requests = st.one_of(bad_prompts, bad_params)
 
 
-def expected(prompt: list[int], n: int) -> list[int]:
-    runner, ids = ScriptedFakeRunner(None), list(prompt)
-    for _ in range(n):
-        ids.append(runner.next_token(ids))
-    return ids[len(prompt) :]
-
-
 @pytest.fixture(scope="module")
 def running(tmp_path_factory):
     ray.init(address="local", num_cpus=2, namespace="slotserve", include_dashboard=False, log_to_driver=False)
@@ -87,7 +82,7 @@ def running(tmp_path_factory):
             while not good["stop"].is_set():
                 prompt = [i % 900 + 1, 7]
                 result = beside.generate(prompt, max_tokens=6, ignore_eos=True)
-                if result.token_ids != expected(prompt, 6) or result.finish_reason != "length":
+                if result.token_ids != FAKE.continuation(prompt, 6) or result.finish_reason != "length":
                     good["wrong"].append((prompt, result.token_ids, result.error))
                 good["done"] += 1
                 i += 1

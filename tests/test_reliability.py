@@ -21,19 +21,13 @@ from replica.fake_model import ScriptedFakeRunner
 from replica.serving import ReplicaConfig
 from router.errors import RoutingError
 
+FAKE = ScriptedFakeRunner(None)  # what an undisturbed run of the fake model makes: FAKE.continuation
+
 pytestmark = pytest.mark.timeout(600)
 
 
 def fake(step: float = 0.01, slots: int = 4, **kw) -> ReplicaConfig:
     return ReplicaConfig(engine=EngineConfig(num_slots=slots, max_seq_len=256), fake_step_seconds=step, **kw)
-
-
-def expected(prompt: list[int], n: int) -> list[int]:
-    """What the fake model's undisturbed run makes: its next token is a function of the sequence."""
-    runner, ids = ScriptedFakeRunner(None), list(prompt)
-    for _ in range(n):
-        ids.append(runner.next_token(ids))
-    return ids[len(prompt) :]
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +81,7 @@ def test_killed_replica_mid_stream_resumes_exactly_and_rejoins(cluster):
     results = asyncio.run(run())
     for prompt, result in zip(prompts, results):
         assert result.finish_reason == "length", result.error
-        assert result.token_ids == expected(prompt, 80)
+        assert result.token_ids == FAKE.continuation(prompt, 80)
     moves = [m for r in results for m in r.migrations]
     assert moves and all(m.from_replica == "replica-1" and m.to_replica != "replica-1" for m in moves)
     assert any(m.tokens_carried > 0 for m in moves)
@@ -185,14 +179,16 @@ def test_flood_is_refused_fast_bounded_and_served_after(cluster):
         done = [(i, r) for i, r, waited in out if waited is None]
         refused = [(err, waited) for _, err, waited in out if waited is not None]
         assert len(done) >= 16 and len(refused) >= 300 and len(done) + len(refused) == 400
-        assert all(r.token_ids == expected([i + 1, 2], 10) for i, r in done)
+        assert all(r.token_ids == FAKE.continuation([i + 1, 2], 10) for i, r in done)
         assert all(err.retry_after > 0 and waited < 5.0 for err, waited in refused)
         infos = [ray.get(r.info.remote()) for r in deployment.replicas.values()]
         assert all(i["peak_queued"] <= 8 for i in infos)
         assert ray.get(deployment.router.status.remote())["rejected"] + sum(i["rejected"] for i in infos) == len(
             refused
         )
-        assert client.generate([1, 2, 3], max_tokens=5, ignore_eos=True).token_ids == expected([1, 2, 3], 5)
+        assert client.generate([1, 2, 3], max_tokens=5, ignore_eos=True).token_ids == ScriptedFakeRunner(
+            None
+        ).continuation([1, 2, 3], 5)
 
 
 def test_timeout_and_cancel_abort_on_the_replica(cluster):
@@ -230,7 +226,9 @@ def test_drained_replica_finishes_or_hands_on_and_loses_nothing(cluster, capsys)
 
     counts, results = asyncio.run(run())
     assert counts["migrated"] > 0
-    assert all(r.token_ids == expected(p, 100) and r.finish_reason == "length" for p, r in zip(prompts, results))
+    assert all(
+        r.token_ids == FAKE.continuation(p, 100) and r.finish_reason == "length" for p, r in zip(prompts, results)
+    )
     moves = [m for r in results for m in r.migrations]
     assert len(moves) == counts["migrated"] and all(m.to_replica == "replica-1" for m in moves)
     status = cluster_status(timeout=5)
@@ -262,7 +260,9 @@ def test_down_during_a_run_lets_running_requests_finish(cluster):
             return results, await down
 
     results, stopped = asyncio.run(run())
-    assert all(r.token_ids == expected(p, 60) and r.finish_reason == "length" for p, r in zip(prompts, results))
+    assert all(
+        r.token_ids == FAKE.continuation(p, 60) and r.finish_reason == "length" for p, r in zip(prompts, results)
+    )
     assert len(stopped) == 4  # store, router, two replicas
 
 
@@ -277,6 +277,7 @@ cluster.shutdown()
 JOIN = """
 import sys, ray
 from cluster.client import connect
+
 connect(sys.argv[1])
 print("answer", ray.get(ray.remote(lambda: 42).remote(), timeout=60), flush=True)
 """
@@ -321,5 +322,5 @@ def test_router_restarted_by_ray_is_retried_and_serves(cluster):
         assert client.generate([1], max_tokens=2, ignore_eos=True).finish_reason == "length"
         ray.kill(deployment.router, no_restart=False)
         results = [client.generate([i + 2], max_tokens=3, ignore_eos=True) for i in range(4)]
-    assert all(r.token_ids == expected([i + 2], 3) for i, r in enumerate(results))
+    assert all(r.token_ids == FAKE.continuation([i + 2], 3) for i, r in enumerate(results))
     wait_until(lambda: in_flight(deployment) == 0, what="the new router's books to settle")

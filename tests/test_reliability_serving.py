@@ -26,13 +26,6 @@ def serving(step: float = 0.002, slots: int = 2, **kw) -> tuple[AsyncEngine, Scr
     return AsyncEngine(Engine(EngineConfig(num_slots=slots, max_seq_len=256), runner, clock), **kw), runner
 
 
-def expected(runner: ScriptedFakeRunner, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(runner.next_token(ids))
-    return ids[len(prompt) :]
-
-
 def test_seed_past_64_bits_names_the_field_and_the_limit():
     """A seed torch cannot take (it failed every request of the step) is refused at validation."""
     with pytest.raises(InvalidRequestError, match=f"seed.*{MAX_SEED}.*1180591620717411303424"):
@@ -157,7 +150,7 @@ def test_resumed_request_continues_exactly_after_the_delivered_tokens():
 
     async def main():
         s, runner = serving()
-        want = expected(runner, [5, 6, 7], 12)
+        want = runner.continuation([5, 6, 7], 12)
         outs = []
         await s.submit([5, 6, 7], {"max_tokens": 12}, "r", None, outs.append, resume=(want[:5], ""))
         while not outs or not outs[-1].finished:

@@ -27,13 +27,6 @@ def make(policy: str = "continuous", slots: int = 4, step: float = 0.002, **kw):
     return serving, runner, finished, steps, loads
 
 
-def expected(runner, prompt, n):
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(runner.next_token(ids))
-    return ids[len(prompt) :]
-
-
 async def collect(serving, prompt, n, rid):
     outs = [o async for o in serving.generate(prompt, {"max_tokens": n, "ignore_eos": True}, rid)]
     return outs
@@ -51,7 +44,7 @@ def test_concurrent_requests_stream_their_own_tokens():
 
     prompts, results = asyncio.run(asyncio.wait_for(main(), 60))
     for i, (prompt, outs) in enumerate(zip(prompts, results)):
-        assert [t for o in outs for t in o.new_token_ids] == expected(runner, prompt, 5 + i)
+        assert [t for o in outs for t in o.new_token_ids] == runner.continuation(prompt, 5 + i)
         assert all(len(o.new_token_ids) == 1 for o in outs)
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
         assert outs[-1].finish_reason is FinishReason.LENGTH
@@ -74,8 +67,8 @@ def test_bad_request_is_refused_and_others_finish():
 
     a, err, b = asyncio.run(asyncio.wait_for(main(), 60))
     assert isinstance(err, InvalidRequestError) and err.field == "prompt"
-    assert [t for o in a for t in o.new_token_ids] == expected(runner, [1, 2], 6)
-    assert [t for o in b for t in o.new_token_ids] == expected(runner, [3], 4)
+    assert [t for o in a for t in o.new_token_ids] == runner.continuation([1, 2], 6)
+    assert [t for o in b for t in o.new_token_ids] == runner.continuation([3], 4)
 
 
 def test_consumer_that_stops_reading_aborts_its_request():
@@ -107,7 +100,7 @@ def test_dynamic_policy_wakes_on_its_timer():
         return outs, loop.time() - start
 
     outs, elapsed = asyncio.run(asyncio.wait_for(main(), 60))
-    assert [t for o in outs for t in o.new_token_ids] == expected(runner, [7], 3)
+    assert [t for o in outs for t in o.new_token_ids] == runner.continuation([7], 3)
     assert elapsed >= 0.1
 
 
