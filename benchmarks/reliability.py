@@ -38,20 +38,14 @@ from replica import EngineConfig
 from replica.fake_model import ScriptedFakeRunner
 from replica.serving import ReplicaConfig
 
+FAKE = ScriptedFakeRunner(None)  # what an undisturbed run of the fake model makes: FAKE.continuation
+
 FAST_FAILURE_DETECTION = {  # a removed node is declared dead in ~1.5 s instead of Ray's default ~15 s
     "health_check_initial_delay_ms": 1000,
     "health_check_period_ms": 500,
     "health_check_timeout_ms": 500,
     "health_check_failure_threshold": 3,
 }
-
-
-def expected_tokens(prompt: list[int], n: int) -> list[int]:
-    """The fake model's undisturbed output for `prompt`."""
-    runner, ids = ScriptedFakeRunner(None), list(prompt)
-    for _ in range(n):
-        ids.append(runner.next_token(ids))
-    return ids[len(prompt) :]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -79,7 +73,7 @@ class ChaosStats:
 
 
 def _check(stats: ChaosStats, prompt: list[int], n: int, result: Result) -> None:
-    want = expected_tokens(prompt, n)
+    want = FAKE.continuation(prompt, n)
     got = result.token_ids
     stats.completed += result.finish_reason == "length"
     stats.failed += result.finish_reason != "length"
@@ -239,7 +233,7 @@ def overload_run(
                     stats.other_errors += 1
                     return
                 stats.accepted += 1
-                stats.completed_exact += result.token_ids == expected_tokens([i % 900 + 1, 5], max_tokens)
+                stats.completed_exact += result.token_ids == FAKE.continuation([i % 900 + 1, 5], max_tokens)
                 ttfts.append(result.ttft)
 
             async def flood() -> None:
@@ -256,7 +250,7 @@ def overload_run(
             stats.peak_queue = max(i["peak_queued"] for i in infos)
             stats.replica_peak_rss_mb = max(i["peak_rss_mb"] for i in infos)
             stats.client_peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            stats.after_ok = client.generate([1, 2, 3], max_tokens=8, ignore_eos=True).token_ids == expected_tokens(
+            stats.after_ok = client.generate([1, 2, 3], max_tokens=8, ignore_eos=True).token_ids == FAKE.continuation(
                 [1, 2, 3], 8
             )
     finally:

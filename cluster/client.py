@@ -175,11 +175,13 @@ class Result:
 
 
 def _unwrap(err: Exception) -> Exception:
-    """A replica's typed error (e.g. InvalidRequestError) instead of Ray's wrapper around it."""
-    if isinstance(err, SlotServeError):
-        return err
+    """A replica's typed error (e.g. InvalidRequestError) instead of Ray's wrapper around it. The
+    wrapper of a typed error is also an instance of it (Ray subclasses both), but its message is
+    the remote traceback: the error's own `cause` is what callers show."""
     cause = getattr(err, "cause", None)
-    return cause if isinstance(cause, SlotServeError) else ClusterError(f"request failed in the cluster: {err}")
+    if isinstance(cause, SlotServeError):
+        return cause
+    return err if isinstance(err, SlotServeError) else ClusterError(f"request failed in the cluster: {err}")
 
 
 def _replica_gone(err: Exception) -> bool:

@@ -62,8 +62,6 @@ class Prepared:
 
 def http_error(err: SlotServeError) -> OpenAIError:
     """The HTTP answer to an error the client or a replica raised on purpose."""
-    cause = getattr(err, "cause", None)  # Ray's wrapper of a replica's error reads as a traceback
-    err = cause if isinstance(cause, SlotServeError) else err
     if isinstance(err, InvalidRequestError):
         code = "context_length_exceeded" if isinstance(err, RequestTooLongError) else None
         return OpenAIError(400, f"{err.field}: {err.reason}", param=err.field, code=code)
