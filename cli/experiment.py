@@ -10,7 +10,7 @@ from pathlib import Path
 import ray
 
 from experiments.plan import plan_experiment
-from experiments.report import format_summary, summarize_runs, write_report
+from experiments.report import against_serve, format_summary, summarize_runs, write_report
 from experiments.run import run_experiment
 from metrics.store import DEFAULT_STORE
 from replica.errors import ConfigError
@@ -33,6 +33,10 @@ def _command(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         plan = plan_experiment(args.file, args.seeds, args.simulate, args.allow_outside_paths)
+        if plan.skipped:
+            print(
+                f"{args.file}: {plan.skipped} cells routed by Ray Serve's routers left out: they run on a Ray cluster"
+            )
     except ExperimentError as err:
         raise ConfigError(str(err)) from None
     experiment = plan.experiment
@@ -56,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
             ray.shutdown()
     rows = summarize_runs(result)
     print(format_summary(rows))
+    for line in against_serve(rows):
+        print(line)
     out = args.out or experiment.path.parent / experiment.name
     report = write_report(result, rows, out, _command(args))
     print(f"runs {', '.join(str(r) for _, r in result.runs)} in {Path(args.store).resolve()}; report: {report}")
@@ -77,13 +83,15 @@ an experiment file (TOML; YAML takes the same keys):
   slots = 8                             # per replica (or sweep.slots)
   max_seq_len = 640
   model = "fake"                        # or smollm2-135m, or a local Hugging Face directory
-  fake_step_seconds = 0.02              # the fake model's flat step
-  # cost_model = "../results/cost_model.json"   what --simulate pays per step (`slotserve calibrate`)
+  fake_step_seconds = 0.02              # the fake model's flat step, or instead
+  # cost_model = "cost_model.json"      each step priced by its work (`slotserve calibrate`): what the fake
+  #                                     model and --simulate pay per step
+  # cost_scale = 0.25                   the cost model's step times x this
   # engine = { max_wait = 0.2 }         any other EngineConfig field
 
   [sweep]                               # cells = the product of the axes
   batching = ["continuous", "chunked"]
-  routing = ["least_loaded"]
+  routing = ["least_loaded"]            # also Ray Serve's own routers: serve_power_of_two, serve_prefix_cache
   load = [0.5, 1.0, 1.5]                # x measured capacity; leave out for all-at-once or closed loop
   token_budget = [64, 256]              # only for policies that read it (chunked)
   seeds = [0, 1, 2]

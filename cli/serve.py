@@ -38,7 +38,7 @@ def build_ingress(deployment, served_name: str | None = None, run_name: str = "s
     replicas = list(deployment.replicas.values())
     info = ray.get(replicas[0].info.remote(), timeout=60)
     routing = ray.get(deployment.router.status.remote(), timeout=60).get("policy", "unknown")
-    fake = info["fake_step_seconds"] is not None
+    fake = info["fake"]
     model = ServedModel(
         served_name or info["model"],
         None if fake else load_tokenizer(info["model"]),

@@ -15,9 +15,12 @@ or SGLang installed; the class is the same.
 Serve's replicas admit at most `max_ongoing_requests` at once and queue the rest at the
 caller's handle; it is set to the engine's queue bound (`ReplicaConfig.max_queue`) so, as in
 slotserve, requests wait in the engine's queue and the router's count of ongoing requests is
-its whole signal. What is recorded: request rows with client-side token times (the driver's
-clock); Serve exposes neither step records nor routing decisions, so those tables stay empty
-for its runs.
+its whole signal. What is recorded, through the same store actor as slotserve's runs: request
+rows with client-side token times (the driver's clock) and each replica's step records, so a
+run's prefix-cache hit rate and occupancy read the same; Serve's routers log no decisions, so
+that table stays empty for its runs. Serve gives a caller no way to reach one chosen replica,
+so a replica's step records ride on its token stream: each streamed item carries the steps run
+since the replica's last item, and a request's last item comes after its last step.
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from ray import serve
-from ray.serve.config import RequestRouterConfig
+import ray
 
 from metrics.definitions import RequestTrace
-from metrics.recording import record_run
+from metrics.recording import request_row
+from replica.engine import StepRecord
 from replica.request import FinishReason
 from replica.serving import AsyncEngine, ReplicaConfig, build_engine
 from workloads.schedule import ArrivalSchedule
@@ -62,56 +65,124 @@ def token_text(token_ids: list[int]) -> str:
     return "".join(chr(_TOKEN_CHAR_BASE + t) for t in token_ids)
 
 
+@dataclass(frozen=True)
+class ServedChunk:
+    """One streamed item: the tokens a step made for the request, and the replica's steps since
+    its last item."""
+
+    replica_id: str
+    num_tokens: int
+    finish_reason: str | None
+    steps: list[StepRecord]
+
+
 class EngineDeployment:
-    """One Serve replica: the replica engine's serving loop, streaming each step's tokens."""
+    """One Serve replica: the replica engine's serving loop, streaming each step's tokens with
+    the step records not yet sent (see the module docstring)."""
 
     def __init__(self, config: dict):
-        self.replica_id = f"serve-{serve.get_replica_context().replica_id.unique_id}"
-        self.serving = AsyncEngine(build_engine(ReplicaConfig.model_validate(config)), replica_id=self.replica_id)
+        from ray import serve
 
-    async def __call__(self, request: ServeRequest) -> AsyncIterator[tuple[str, int, float, str | None]]:
-        """(replica id, new tokens, made at, finish reason or None) per step of the request."""
+        self.replica_id = f"serve-{serve.get_replica_context().replica_id.unique_id}"
+        self.serving = AsyncEngine(
+            build_engine(ReplicaConfig.model_validate(config)), self._on_step, replica_id=self.replica_id
+        )
+        self.unsent: list[StepRecord] = []
+
+    def _on_step(self, record: StepRecord) -> None:
+        self.unsent.append(record)
+
+    async def __call__(self, request: ServeRequest) -> AsyncIterator[ServedChunk]:
         params = {"max_tokens": request.max_tokens, "ignore_eos": True}
         async for out in self.serving.generate(request.token_ids, params, request.request_id, request.arrival):
             reason = out.finish_reason.value if isinstance(out.finish_reason, FinishReason) else None
-            yield self.replica_id, len(out.new_token_ids), out.time, reason
+            steps, self.unsent = self.unsent, []
+            yield ServedChunk(self.replica_id, len(out.new_token_ids), reason, steps)
 
 
-def deploy(
-    config: ReplicaConfig, num_replicas: int, router: str, num_cpus: float = 1.0, router_kwargs: dict | None = None
-):
-    """Start Serve (no HTTP proxy) with `num_replicas` engine replicas routed by `router` (a
-    key of SERVE_ROUTERS, with `router_kwargs` for its `initialize_state`, e.g. the prefix
-    router's `imbalanced_threshold`); returns the deployment's handle once every replica is up."""
-    options = {}
-    if SERVE_ROUTERS[router] is not None:
-        options["request_router_config"] = RequestRouterConfig(
-            request_router_class=SERVE_ROUTERS[router], request_router_kwargs=router_kwargs or {}
+class ServeBaseline:
+    """The replica engine deployed on Ray Serve (no HTTP proxy) with `num_replicas` replicas
+    routed by `router` (a key of SERVE_ROUTERS, with `router_kwargs` for its
+    `initialize_state`, e.g. the prefix router's `imbalanced_threshold`), recording into
+    `store` (a `cluster.store_actor.StoreActor`). Started on creation; `shutdown()` stops it."""
+
+    def __init__(
+        self,
+        config: ReplicaConfig,
+        num_replicas: int,
+        router: str,
+        store,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        router_kwargs: dict | None = None,
+    ):
+        from ray import serve
+        from ray.serve.config import RequestRouterConfig
+
+        self.config, self.router, self.store, self.router_kwargs = config, router, store, router_kwargs or {}
+        options = {}
+        if SERVE_ROUTERS[router] is not None:
+            options["request_router_config"] = RequestRouterConfig(
+                request_router_class=SERVE_ROUTERS[router], request_router_kwargs=self.router_kwargs
+            )
+        app = (
+            serve.deployment(EngineDeployment)
+            .options(
+                name="engine",
+                num_replicas=num_replicas,
+                max_ongoing_requests=config.max_queue,
+                ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
+                **options,
+            )
+            .bind(config.model_dump())
         )
-    app = (
-        serve.deployment(EngineDeployment)
-        .options(
-            name="engine",
-            num_replicas=num_replicas,
-            max_ongoing_requests=config.max_queue,
-            ray_actor_options={"num_cpus": num_cpus},
-            **options,
-        )
-        .bind(config.model_dump())
-    )
-    serve.start(proxy_location="Disabled")
-    return serve.run(app, name=APP_NAME, route_prefix=None)
+        serve.start(proxy_location="Disabled")
+        self.handle = serve.run(app, name=APP_NAME, route_prefix=None)
+
+    def run_workload(
+        self,
+        workload: Workload,
+        *,
+        name: str,
+        config: dict,
+        batching_policy: str,
+        seed: int = 0,
+        vocab_size: int,
+        slo: dict | None = None,
+    ) -> int:
+        """Replay `workload` (open loop, client-side token times) and record it as one run with
+        Serve's router as its routing policy: request rows from here, step records from the
+        replicas. Returns the run id."""
+        config = {**config, "serve_router": self.router, "serve_router_kwargs": self.router_kwargs}
+        config["workload_spec"] = workload.spec
+        run_id = ray.get(self.store.begin_run.remote(name, config, batching_policy, self.router, seed, slo))
+        start = time.time()
+        traces, steps = asyncio.run(_replay(self.handle, workload, seed, vocab_size))
+        slots = self.config.engine.num_slots
+        writes = [
+            self.store.add_step_records.remote(run_id, replica, slots, [r for r in records if r.start >= start])
+            for replica, records in steps.items()
+        ]
+        rows = [request_row(t) for t in sorted(traces, key=lambda t: t.arrival)]
+        ray.get([*writes, self.store.add_requests.remote(run_id, rows)])
+        ray.get(self.store.end_run.remote(run_id, "complete"))
+        return run_id
+
+    def shutdown(self) -> None:
+        from ray import serve
+
+        serve.shutdown()
 
 
-def shutdown() -> None:
-    serve.shutdown()
-
-
-async def _replay(handle, workload: Workload, seed: int, vocab_size: int) -> list[RequestTrace]:
-    """Each request sent at its planned time (open loop), tokens stamped on arrival here."""
+async def _replay(
+    handle, workload: Workload, seed: int, vocab_size: int
+) -> tuple[list[RequestTrace], dict[str, list[StepRecord]]]:
+    """Each request sent at its planned time (open loop), tokens stamped on arrival here;
+    returns the traces and each replica's step records that came with them."""
     schedule = ArrivalSchedule(workload)
     stream = handle.options(stream=True)
     traces: list[RequestTrace] = []
+    steps: dict[str, list[StepRecord]] = {}
     wake = asyncio.Event()
     t0 = time.time()
 
@@ -123,12 +194,11 @@ async def _replay(handle, workload: Workload, seed: int, vocab_size: int) -> lis
         times: list[float] = []
         replica, reason, error = None, "error", None
         try:
-            async for served_by, count, _, finish in stream.remote(
-                ServeRequest(rid, ids, spec.output_len, arrival, token_text(ids))
-            ):
-                replica = served_by
-                times += [time.time()] * count
-                reason = finish or reason
+            async for chunk in stream.remote(ServeRequest(rid, ids, spec.output_len, arrival, token_text(ids))):
+                replica = chunk.replica_id
+                times += [time.time()] * chunk.num_tokens
+                reason = chunk.finish_reason or reason
+                steps.setdefault(replica, []).extend(chunk.steps)
         except Exception as err:  # noqa: BLE001 - a failed request is recorded as one
             error = f"{type(err).__name__}: {str(err)[:200]}"
         finally:
@@ -165,32 +235,4 @@ async def _replay(handle, workload: Workload, seed: int, vocab_size: int) -> lis
         except TimeoutError:
             pass
     await asyncio.gather(*tasks)
-    return traces
-
-
-def run_workload(
-    handle,
-    workload: Workload,
-    store,
-    *,
-    name: str,
-    router: str,
-    config: dict,
-    batching_policy: str,
-    seed: int = 0,
-    vocab_size: int,
-    slo: dict | None = None,
-) -> int:
-    """Replay `workload` through the Serve deployment and record it in `store` (a
-    `metrics.store.MetricsStore`) with `router` as the run's routing policy; returns the run id."""
-    traces = asyncio.run(_replay(handle, workload, seed, vocab_size))
-    return record_run(
-        store,
-        name=name,
-        config={**config, "serve_router": router, "workload_spec": workload.spec},
-        batching_policy=batching_policy,
-        routing_policy=router,
-        seed=seed,
-        traces=sorted(traces, key=lambda t: t.arrival),
-        slo=slo,
-    )
+    return traces, steps

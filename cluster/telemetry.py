@@ -271,6 +271,8 @@ def model_label(config: ReplicaConfig) -> str:
     """The `model` label: the built-in name or the directory's name, or the fake model."""
     if config.fake_step_seconds is not None:
         return "fake-flat"
+    if config.fake_cost is not None:
+        return "fake-linear"
     return Path(config.engine.model).name or config.engine.model
 
 

@@ -22,6 +22,7 @@ import ray
 from cluster.client import Client
 from cluster.deploy import Deployment
 from cluster.driver import run_workload
+from cluster.serve_baseline import SERVE_ROUTERS, ServeBaseline
 from experiments.plan import Cell, Plan
 from metrics.store import MetricsStore
 from replica.errors import ConfigError
@@ -141,8 +142,11 @@ class SimulatedBackend:
 
 
 class RayBackend:
-    """Cells on a Ray cluster this experiment starts (and stops): the replicas are restarted
-    only when the cell's batching policy, slots or token budget differ from the last cell's."""
+    """Cells on a Ray cluster this experiment starts (and stops): slotserve's replicas and
+    router, or, for a cell routed by one of Ray Serve's routers, the same replica engine as a
+    Ray Serve application (`cluster.serve_baseline`) recording into a store actor of its own.
+    What runs is restarted only when the cell's batching policy, slots or token budget differ
+    from the last cell's, or it moves between slotserve and a Serve router."""
 
     def __init__(self, plan: Plan, store_path: Path, address: str | None):
         from cluster.deploy import ensure_ray
@@ -150,32 +154,69 @@ class RayBackend:
         self.plan, self.store_path = plan, store_path
         ensure_ray(address, start_local=False)
         self.deployment: Deployment | None = None
+        self.serve: ServeBaseline | None = None
+        self.serve_store = None
         self.deployed: tuple | None = None
+        self.vocab_size: int | None = None  # the replicas' vocabulary, read when capacity is measured
+
+    def _replica_config(self, cell: Cell):
+        from replica.serving import ReplicaConfig
+
+        c = self.plan.experiment.cluster
+        fake_cost = self.plan.cost if c.model == "fake" and c.fake_step_seconds is None else None
+        return ReplicaConfig(
+            engine=self.plan.engine_config(cell), fake_step_seconds=c.fake_step_seconds, fake_cost=fake_cost
+        )
 
     def _deploy(self, cell: Cell) -> Deployment:
         from cluster.deploy import ClusterSpec, start_cluster
-        from replica.serving import ReplicaConfig
 
-        if self.deployed != cell.deployment:
+        if self.deployed != (cell.deployment, None):
             self.close()
             c = self.plan.experiment.cluster
             spec = ClusterSpec(
                 num_replicas=c.replicas,
-                routing_policy=cell.routing,
-                replica=ReplicaConfig(engine=self.plan.engine_config(cell), fake_step_seconds=c.fake_step_seconds),
+                routing_policy=DEFAULT_POLICY if cell.routing in SERVE_ROUTERS else cell.routing,
+                replica=self._replica_config(cell),
                 num_cpus_per_replica=c.num_cpus,
                 num_gpus_per_replica=c.num_gpus,
                 store_path=str(self.store_path),
             )
-            self.deployment, self.deployed = start_cluster(spec), cell.deployment
+            self.deployment, self.deployed = start_cluster(spec), (cell.deployment, None)
         return self.deployment
 
+    def _deploy_serve(self, cell: Cell) -> ServeBaseline:
+        from cluster.store_actor import StoreActor
+
+        if self.deployed != (cell.deployment, cell.routing):
+            self.close()
+            c = self.plan.experiment.cluster
+            self.serve_store = StoreActor.remote(str(self.store_path.resolve()))
+            self.serve = ServeBaseline(
+                self._replica_config(cell), c.replicas, cell.routing, self.serve_store, c.num_cpus, c.num_gpus
+            )
+            self.deployed = (cell.deployment, cell.routing)
+        return self.serve
+
     def capacity(self, cell: Cell) -> Capacity:
+        """Measured on slotserve's cluster (with its default policy) for every cell, Serve's
+        included: the same engine at the same slots, so both see the same traffic."""
         deployment = self._deploy(cell)
         ray.get(deployment.router.set_policy.remote(DEFAULT_POLICY))
+        self.vocab_size = ray.get(next(iter(deployment.replicas.values())).info.remote())["vocab_size"]
         return measure_capacity(deployment)
 
     def run(self, cell: Cell, workload: Workload, name: str, config: dict, slo: dict) -> int:
+        if cell.routing in SERVE_ROUTERS:
+            return self._deploy_serve(cell).run_workload(
+                workload,
+                name=name,
+                config=config,
+                batching_policy=cell.batching,
+                seed=cell.seed,
+                vocab_size=self.vocab_size,
+                slo=slo,
+            )
         deployment = self._deploy(cell)
         ray.get(deployment.router.set_policy.remote(cell.routing))
         return run_workload(
@@ -191,9 +232,14 @@ class RayBackend:
         )
 
     def close(self) -> None:
-        """Stop the slotserve actors and wait until their names are free for the next start."""
+        """Stop what runs: Serve and its store actor, or the slotserve actors (waiting until
+        their names are free for the next start)."""
         from cluster.deploy import stop_cluster
 
+        if self.serve is not None:
+            self.serve.shutdown()
+            ray.kill(self.serve_store)
+            self.serve = self.serve_store = self.deployed = None
         if self.deployment is None:
             return
         names = set(stop_cluster())

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from cluster.serve_baseline import SERVE_ROUTERS
+from protocol.registry import Registry
 from replica.config import EngineConfig
 from replica.errors import ConfigError
 from replica.fake_model import CostModel, FlatCostModel
@@ -62,8 +64,9 @@ class Cell:
 class Plan:
     experiment: Experiment
     cells: list[Cell]
-    cost: CostModel | None = None  # what a simulated step costs; None when not simulating
+    cost: CostModel | None = None  # what a simulated or fake step costs; None for a real model on Ray
     workload_args: dict[str, dict] = field(default_factory=lambda: {"": {}})  # Cell.workload -> its arguments
+    skipped: int = 0  # cells routed by Ray Serve's routers, left out of a simulated plan
 
     def engine_config(self, cell: Cell) -> EngineConfig:
         c = self.experiment.cluster
@@ -89,6 +92,9 @@ class Plan:
         return workload
 
 
+# What sweep.routing may name: slotserve's policies and Ray Serve's own routers (`cluster.serve_baseline`).
+ROUTERS = Registry("routing policy", {**ROUTING_POLICIES, **SERVE_ROUTERS})
+
 _SET_ELSEWHERE = {"model", "policy", "num_slots", "max_seq_len", "token_budget", "dtype", "device"}
 
 
@@ -100,7 +106,7 @@ def plan_experiment(
     the file must stay in its folder unless `allow_outside_paths`. Raises ExperimentError
     (file:line: key: what is wrong) before anything has started."""
     experiment = load_experiment(
-        path, batching=POLICIES, routing=ROUTING_POLICIES, seeds=seeds, allow_outside_paths=allow_outside_paths
+        path, batching=POLICIES, routing=ROUTERS, seeds=seeds, allow_outside_paths=allow_outside_paths
     )
     sweep, c = experiment.sweep, experiment.cluster
     clash = sorted(_SET_ELSEWHERE & set(c.engine))
@@ -118,7 +124,14 @@ def plan_experiment(
             plan.engine_config(cell)
         except ValidationError as err:
             raise experiment.invalid(err, ("cluster", "engine")) from None
-    if simulate:
+    if simulate:  # Ray Serve's routers run only on Ray Serve: the simulator has none of them
+        plan.cells = [cell for cell in cells if cell.routing not in SERVE_ROUTERS]
+        plan.skipped = len(cells) - len(plan.cells)
+        if not plan.cells:
+            raise experiment.error(
+                ("sweep", "routing"), "only Ray Serve's routers: they run on a Ray cluster, not --simulate"
+            )
+    if simulate or c.model == "fake":
         plan.cost = _cost_model(experiment)
     return plan
 
@@ -127,7 +140,9 @@ def _cost_model(experiment: Experiment) -> CostModel:
     c = experiment.cluster
     if c.cost_model is not None:
         try:
-            return FittedCostModel.load(experiment.resolve(c.cost_model, ("cluster", "cost_model")))
+            return FittedCostModel.load(experiment.resolve(c.cost_model, ("cluster", "cost_model"))).scaled(
+                c.cost_scale
+            )
         except ConfigError as err:
             raise experiment.error(("cluster", "cost_model"), str(err)) from None
     if c.model == "fake":

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.serve_baseline import SERVE_ROUTERS
 from experiments.plan import AXES, Cell
 from experiments.run import ExperimentResult
 from metrics.definitions import SLO
@@ -101,6 +102,32 @@ def format_summary(rows: list[SummaryRow], markdown: bool = False) -> str:
         ]
     seeds = max(len(r.run_ids) for r in rows)
     return "\n".join(lines + ["", f"{SPREAD_NOTE} ({seeds} seeds)" if seeds > 1 else "one seed: no spread"])
+
+
+SERVE_DEFAULT = "serve_power_of_two"
+
+
+def against_serve(rows: list[SummaryRow]) -> list[str]:
+    """Where Ray Serve's default router ran: per point of the sweep, slotserve's best policy on
+    goodput (median over seeds) and its ratio to Serve's default router and to each other Serve
+    router there. Empty when no Serve router ran."""
+    groups: dict[tuple, dict[str, SummaryRow]] = {}
+    for r in rows:
+        key = tuple(getattr(r.cell, a) for a in AXES if a != "routing")
+        groups.setdefault(key, {})[r.cell.routing] = r
+    lines = []
+    for by_policy in groups.values():
+        ours = {p: r for p, r in by_policy.items() if p not in SERVE_ROUTERS and r.values["goodput"]}
+        serve = {p: r for p, r in by_policy.items() if p in SERVE_ROUTERS and r.values["goodput"]}
+        if SERVE_DEFAULT not in serve or not ours:
+            continue
+        good = {p: statistics.median(r.values["goodput"]) for p, r in {**ours, **serve}.items()}
+        best = max(ours, key=good.get)
+        cell = by_policy[best].cell
+        where = " ".join(f"{a}={_key_text(by_policy[best], a)}" for a in shown_axes(rows) if a != "routing")
+        ratios = ", ".join(f"{good[best] / good[p]:.2f}x {p} ({good[p]:.1f})" if good[p] else f"{p} 0" for p in serve)
+        lines.append(f"{where or cell.label}: best slotserve {best} {good[best]:.1f} good tok/s = {ratios}")
+    return lines
 
 
 def series_label(cell: Cell, axes: list[str]) -> str:
@@ -229,7 +256,13 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
     finally:
         store.close()
     c, slo = experiment.cluster, experiment.slo
-    model = f"fake flat-cost model ({c.fake_step_seconds * 1000:g} ms a step)" if c.model == "fake" else c.model
+    serve = against_serve(rows)
+    if c.model != "fake":
+        model = c.model
+    elif c.fake_step_seconds is not None:
+        model = f"fake flat-cost model ({c.fake_step_seconds * 1000:g} ms a step)"
+    else:
+        model = f"fake model, each step priced by {c.cost_model} x {c.cost_scale:g} on the wall clock"
     if result.simulated:
         cost = result.plan.cost
         model = f"simulated: {type(cost).__name__}" + (
@@ -262,6 +295,7 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
         "",
         format_summary(rows, markdown=True),
         "",
+        *(["## Against Ray Serve's routers", "", *[f"- {line}" for line in serve], ""] if serve else []),
         "## Runs",
         "",
         "| row | run ids |",

@@ -106,6 +106,7 @@ class ReplicaActor:
             "vocab_size": engine.runner.vocab_size,
             "max_request_tokens": engine.scheduler.slots.max_request_tokens,  # context limit (HTTP ingress)
             "fake_step_seconds": self.config.fake_step_seconds,
+            "fake": self.config.fake,  # the fake model (flat or work-priced steps), no tokenizer
             "config": self.config.model_dump(),
             "load": self.serving.load(),
             "health": self.health(),

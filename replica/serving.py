@@ -23,13 +23,14 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protocol.errors import DrainingError, OverloadedError
 from protocol.messages import HealthReport, LoadReport
 from replica.config import EngineConfig
 from replica.engine import Engine, RequestOutput, StepRecord
 from replica.errors import InvalidRequestError
+from replica.fake_model import FlatCostModel, LinearCostModel, ScriptedFakeRunner
 from replica.request import FinishReason, SamplingParams
 
 
@@ -39,6 +40,9 @@ class ReplicaConfig(BaseModel):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     fake_step_seconds: float | None = Field(
         None, gt=0, description="serve the flat-cost fake model (every step this long) instead of a real one"
+    )
+    fake_cost: LinearCostModel | None = Field(
+        None, description="serve the fake model with each step priced by its work (a fitted cost model) instead"
     )
     max_queue: int = Field(256, gt=0, description="requests waiting for a slot; past it a submission is refused")
     stall_timeout: float = Field(
@@ -51,15 +55,26 @@ class ReplicaConfig(BaseModel):
         300.0, gt=0, description="seconds a client's event stream stays open with no request of its in flight"
     )
 
+    @model_validator(mode="after")
+    def _one_fake_cost(self) -> ReplicaConfig:
+        if self.fake_step_seconds is not None and self.fake_cost is not None:
+            raise ValueError("give fake_step_seconds (a flat step) or fake_cost (a step priced by its work), not both")
+        return self
+
+    @property
+    def fake(self) -> bool:
+        """Whether this replica serves the fake model (no weights, step times paid on the wall clock)."""
+        return self.fake_step_seconds is not None or self.fake_cost is not None
+
 
 def build_engine(config: ReplicaConfig) -> Engine:
-    if config.fake_step_seconds is None:
+    if not config.fake:
         return Engine(config.engine)
     from protocol.clock import WallClock
-    from replica.fake_model import FlatCostModel, ScriptedFakeRunner
 
     clock = WallClock()
-    return Engine(config.engine, ScriptedFakeRunner(clock, FlatCostModel(config.fake_step_seconds)), clock)
+    cost = config.fake_cost or FlatCostModel(config.fake_step_seconds)
+    return Engine(config.engine, ScriptedFakeRunner(clock, cost), clock)
 
 
 # Seconds between load reports while requests run; an idle replica reports at once, so the

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
@@ -14,40 +14,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from replica.errors import ConfigError
-from replica.scheduler import SchedulerOutput
-
-
-@dataclass(frozen=True)
-class StepFeatures:
-    """What a step's time is modelled from, read off its SchedulerOutput:
-
-    - decode_tokens, prefill_tokens: rows through the weight matrices (every row costs the
-      same there, but a CPU runs small decode batches far from its FLOP roof, so the two
-      kinds get separate coefficients);
-    - context_tokens: keys attended, summed over the step's rows (SchedulerOutput.context_tokens);
-    - padding_rows: finished requests a static batch still computes (one row each, which
-      also attends its whole context)."""
-
-    decode_tokens: int
-    prefill_tokens: int
-    context_tokens: int
-    padding_rows: int
-
-    @classmethod
-    def of(cls, out: SchedulerOutput) -> StepFeatures:
-        return cls(out.num_decode_tokens, out.num_prefill_tokens, out.context_tokens, len(out.held_rows))
-
-    @classmethod
-    def of_row(cls, row: dict) -> StepFeatures:
-        """The features of a recorded step (a `steps` row of the metrics store): how a cost
-        model is fitted to real runs."""
-        return cls(
-            row["decode_tokens"],
-            row["prefill_tokens"],
-            row["context_tokens"],
-            row["computed_rows"] - row["useful_rows"],
-        )
-
+from replica.fake_model import LinearCostModel, StepFeatures
 
 FEATURES = ("decode_tokens", "prefill_tokens", "context_tokens", "padding_rows")
 
@@ -61,38 +28,12 @@ class FitQuality(BaseModel):
     num_heldout: int = Field(description="samples the quality was measured on (not fitted)")
 
 
-class FittedCostModel(BaseModel):
-    """step_time = c0 + c_decode * decode_tokens + c_prefill * prefill_tokens
-    + c_ctx * context_tokens + c_held * padding_rows (seconds; see StepFeatures), every
-    coefficient non-negative so no step is predicted to get cheaper by doing more. Saved as
-    JSON with the machine it was measured on and how well it fits, since a cost model means
-    nothing apart from both."""
+class FittedCostModel(LinearCostModel):
+    """A `LinearCostModel` fitted to measured step times, saved as JSON with the machine it was
+    measured on and how well it fits, since a cost model means nothing apart from both."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    c0: float = Field(ge=0, description="seconds per step, whatever it runs")
-    c_decode: float = Field(ge=0, description="seconds per decode token")
-    c_prefill: float = Field(ge=0, description="seconds per prefill token")
-    c_ctx: float = Field(ge=0, description="seconds per attended context token")
-    c_held: float = Field(ge=0, description="seconds per padding row of a static batch")
     machine: dict[str, Any] = Field(default_factory=dict, description="cpu, cores, torch, threads, model, dtype, ...")
     quality: FitQuality | None = None
-
-    @property
-    def coefficients(self) -> tuple[float, ...]:
-        return self.c0, self.c_decode, self.c_prefill, self.c_ctx, self.c_held
-
-    def predict(self, f: StepFeatures) -> float:
-        return (
-            self.c0
-            + self.c_decode * f.decode_tokens
-            + self.c_prefill * f.prefill_tokens
-            + self.c_ctx * f.context_tokens
-            + self.c_held * f.padding_rows
-        )
-
-    def step_time(self, out: SchedulerOutput) -> float:
-        return self.predict(StepFeatures.of(out))
 
     @classmethod
     def fit(

@@ -292,3 +292,43 @@ def test_real_cluster_of_fake_replicas_records_real_runs(tmp_path, capsys, local
         assert {s["replica_id"] for s in store.steps(run["run_id"])} == {"replica-0", "replica-1"}
         assert run["config"]["capacity_tokens_per_s"] > 0
     assert (tmp_path / "out" / "report.md").exists() and "mixed" in capsys.readouterr().out
+
+
+COST_MODEL = '{"c0": 0.004, "c_decode": 0.0005, "c_prefill": 0.00005, "c_ctx": 0.0, "c_held": 0.0}'
+
+
+def test_ray_serve_routers_run_beside_slotserve_in_one_file(tmp_path, capsys, local_ray):
+    """Ray Serve's default router is one more value of sweep.routing: on a cluster its cell runs
+    the same replica engine (fake, each step priced by a cost model file) as a Ray Serve
+    application and is recorded in the same store with its steps, and the output compares
+    slotserve's best policy with it. --simulate leaves Serve's cells out and says so."""
+    (tmp_path / "cost.json").write_text(COST_MODEL)
+    text = (
+        EXPERIMENT.replace("num_requests = 12", "num_requests = 16")
+        .replace("fake_step_seconds = 0.01", 'cost_model = "cost.json"\ncost_scale = 2.0')
+        .replace('["static", "continuous"]', '["continuous"]')
+        .replace('["least_loaded"]', '["least_work", "serve_power_of_two"]')
+        .replace("load = [0.5, 1.0]", "load = [0.8]")
+        .replace("seeds = [0, 1]", "seeds = [0]")
+    )
+    path, store_path = write(tmp_path, text), tmp_path / "store.db"
+    assert main(["experiment", str(path), "--store", str(store_path), "--out", str(tmp_path / "out")]) == 0
+    store = MetricsStore(store_path)
+    runs = store.runs()
+    assert [(r["routing_policy"], r["status"]) for r in runs] == [
+        ("least_work", "complete"),
+        ("serve_power_of_two", "complete"),
+    ]
+    for run in runs:
+        assert len(store.requests(run["run_id"])) == 16
+        assert sum(s["prefill_tokens"] for s in store.steps(run["run_id"])) > 0
+    serve_steps = store.steps(runs[1]["run_id"])
+    assert {s["replica_id"][:6] for s in serve_steps} == {"serve-"} and len({s["replica_id"] for s in serve_steps}) == 2
+    out = capsys.readouterr().out
+    assert "best slotserve least_work" in out and "x serve_power_of_two (" in out
+    assert "## Against Ray Serve's routers" in (tmp_path / "out" / "report.md").read_text()
+
+    assert main(["experiment", str(path), "--simulate", "--store", str(tmp_path / "sim.db")]) == 0
+    out = capsys.readouterr().out
+    assert "1 cells routed by Ray Serve's routers left out" in out
+    assert [r["routing_policy"] for r in MetricsStore(tmp_path / "sim.db").runs()] == ["least_work"]

@@ -102,42 +102,44 @@ def test_routing_in_the_client_serves_records_and_learns(local_ray):
 
 def test_ray_serve_peer_serves_the_same_engine_and_records(local_ray):
     """The replica engine as a Ray Serve deployment: with Serve's default router a workload
-    replayed through it is recorded in the store with every token (both replicas serving);
-    with Serve's PrefixCacheAffinityRouter, prompts of token ids sharing a 64-token prefix all
-    go to one replica, which it can only know from the token-per-character prompt text."""
-    from cluster import serve_baseline
+    replayed through it is recorded in the store with every token (both replicas serving) and
+    every replica's step records (written when the run id, broadcast through Serve's
+    user_config, is taken back); with Serve's PrefixCacheAffinityRouter, prompts of token ids
+    sharing a 64-token prefix all go to one replica, which it can only know from the
+    token-per-character prompt text."""
+    from cluster.serve_baseline import ServeBaseline, ServeRequest, token_text
+    from cluster.store_actor import StoreActor
 
-    store = MetricsStore(local_ray[0] / "serve.db")
+    path = local_ray[0] / "serve.db"
+    store_actor = StoreActor.remote(str(path))
     config = ReplicaConfig(engine=EngineConfig(num_slots=2, max_seq_len=256), fake_step_seconds=0.005)
+    baseline = None
     try:
-        handle = serve_baseline.deploy(config, 2, "serve_power_of_two", num_cpus=0.5)
+        baseline = ServeBaseline(config, 2, "serve_power_of_two", store_actor, num_cpus=0.5)
         workload = bursty_mix(num_requests=12, rate=40.0, seed=3)
-        run_id = serve_baseline.run_workload(
-            handle,
-            workload,
-            store,
-            name="serve",
-            router="serve_power_of_two",
-            config={},
-            batching_policy="continuous",
-            vocab_size=1000,
-        )
+        run_id = baseline.run_workload(workload, name="serve", config={}, batching_policy="continuous", vocab_size=1000)
+        store = MetricsStore(path)
         traces = store.traces(run_id)
         assert len(traces) == 12 and all(t.finish_reason == "length" for t in traces)
         assert sorted(t.num_output_tokens for t in traces) == sorted(workload.output_lens)
         assert len({t.replica for t in traces}) == 2 and store.run(run_id)["routing_policy"] == "serve_power_of_two"
-        serve_baseline.shutdown()
+        steps = store.steps(run_id)
+        assert {s["replica_id"] for s in steps} == {t.replica for t in traces}
+        assert sum(s["prefill_tokens"] for s in steps) == sum(r.prompt_len for r in workload.requests)
+        baseline.shutdown()
 
-        handle = serve_baseline.deploy(config, 2, "serve_prefix_cache", num_cpus=0.5)
+        baseline = ServeBaseline(config, 2, "serve_prefix_cache", store_actor, num_cpus=0.5)
         prefix = list(range(200, 264))
         replicas = set()
         for i in range(4):
             ids = prefix + [300 + i] * 4
-            request = serve_baseline.ServeRequest(f"p{i}", ids, 2, 0.0, serve_baseline.token_text(ids))
-            replicas |= {chunk[0] for chunk in handle.options(stream=True).remote(request)}
+            request = ServeRequest(f"p{i}", ids, 2, 0.0, token_text(ids))
+            replicas |= {chunk.replica_id for chunk in baseline.handle.options(stream=True).remote(request)}
         assert len(replicas) == 1, replicas
     finally:
-        serve_baseline.shutdown()
+        if baseline is not None:
+            baseline.shutdown()
+        ray.kill(store_actor)
 
 
 def _route(request_id: str, prompt_len: int, session: str):

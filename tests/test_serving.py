@@ -10,7 +10,7 @@ import pytest
 
 from protocol.clock import WallClock
 from replica import Engine, EngineConfig, FinishReason, InvalidRequestError
-from replica.fake_model import FlatCostModel, ScriptedFakeRunner
+from replica.fake_model import FlatCostModel, LinearCostModel, ScriptedFakeRunner
 from replica.serving import AsyncEngine, ReplicaConfig, build_engine
 
 
@@ -110,3 +110,30 @@ def test_build_engine_picks_the_fake_model():
     assert isinstance(engine.runner, ScriptedFakeRunner) and engine.runner.cost.step_seconds == 0.01
     with pytest.raises(ValueError):
         ReplicaConfig(fake_step_seconds=0)
+
+
+def test_a_work_priced_fake_replica_pays_for_prefill_and_not_for_cached_blocks():
+    """ReplicaConfig.fake_cost serves the fake model with each step priced by its work: a step
+    prefilling a prompt takes c_prefill per token longer, and the same prompt again (its blocks
+    in the prefix cache) takes less. The config travels as JSON (to Ray actors and Serve)
+    intact, and a flat step and a work price are not given together."""
+    cost = LinearCostModel(c0=0.001, c_decode=0.0, c_prefill=0.0004, c_ctx=0.0, c_held=0.0)
+    engine_config = EngineConfig(num_slots=2, max_seq_len=256, kv_cache="paged", prefix_caching=True)
+    config = ReplicaConfig.model_validate(ReplicaConfig(engine=engine_config, fake_cost=cost).model_dump())
+    engine = build_engine(config)
+    assert engine.runner.cost == cost and config.fake
+
+    def first_step_seconds(request_id: str) -> float:
+        engine.add_request(list(range(100, 196)), {"max_tokens": 1, "ignore_eos": True}, request_id)
+        start = engine.clock.now()
+        engine.step()
+        elapsed = engine.clock.now() - start
+        while engine.has_unfinished:
+            engine.step()
+        return elapsed
+
+    cold, warm = first_step_seconds("a"), first_step_seconds("b")
+    assert cold >= 0.001 + 96 * 0.0004 * 0.9  # every prompt token prefilled
+    assert warm < cold - 64 * 0.0004  # most blocks came from the cache
+    with pytest.raises(ValueError, match="not both"):
+        ReplicaConfig(fake_step_seconds=0.01, fake_cost=cost)

@@ -80,10 +80,12 @@ class WorkloadSection(_Section):
 
 
 class ClusterSection(_Section):
-    """The cluster every cell runs on. `model = "fake"` serves the flat-cost fake model (every
-    step `fake_step_seconds`); `cost_model` (a `slotserve calibrate` JSON) is what `--simulate`
-    pays per step, else the flat cost of the fake model. `engine` takes any other EngineConfig
-    field (max_wait, kv_budget_tokens, kv_cache, block_size, prefix_caching)."""
+    """The cluster every cell runs on. `model = "fake"` serves the fake model: every step
+    `fake_step_seconds`, or priced by its work by `cost_model` (a `slotserve calibrate` JSON),
+    on the wall clock. `cost_model` is also what `--simulate` pays per step (else the flat cost
+    of the fake model); `cost_scale` multiplies its step times (0.25 plays the calibrated
+    machine four times faster, with the same relative costs). `engine` takes any other
+    EngineConfig field (max_wait, kv_budget_tokens, kv_cache, block_size, prefix_caching)."""
 
     replicas: PositiveInt = 2
     slots: PositiveInt = Field(8, description="slots per replica, unless sweep.slots is given")
@@ -91,7 +93,10 @@ class ClusterSection(_Section):
     token_budget: PositiveInt = Field(256, description="`chunked` tokens per step, unless sweep.token_budget is given")
     model: str = Field(min_length=1, description='"fake", a built-in model name or a local Hugging Face directory')
     fake_step_seconds: PositiveFloat | None = None
-    cost_model: str | None = Field(None, min_length=1, description="cost model JSON for --simulate")
+    cost_model: str | None = Field(
+        None, min_length=1, description="cost model JSON: what --simulate and the fake model pay per step"
+    )
+    cost_scale: PositiveFloat = Field(1.0, description="the cost model's step times x this")
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = "auto"
     num_cpus: PositiveFloat = Field(1.0, description="Ray CPUs per replica (= its torch threads)")
@@ -100,8 +105,10 @@ class ClusterSection(_Section):
 
     @model_validator(mode="after")
     def _fake_step_with_fake_model(self) -> ClusterSection:
-        if (self.model == "fake") != (self.fake_step_seconds is not None):
-            raise ValueError('model "fake" needs fake_step_seconds, and only it takes one')
+        if self.fake_step_seconds is not None and self.model != "fake":
+            raise ValueError('only model "fake" takes fake_step_seconds')
+        if self.model == "fake" and (self.fake_step_seconds is None) == (self.cost_model is None):
+            raise ValueError('model "fake" needs exactly one of fake_step_seconds (a flat step) and cost_model')
         return self
 
 
