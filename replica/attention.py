@@ -9,6 +9,9 @@ only those slots' live ranges are gathered, so attention does not scan the empty
 them. Grouped-query heads are folded into the query length, so K/V are never repeated per query
 head. A boolean mask lets query (seq, i) see keys 0..position(seq, i); padding rows see key 0
 and are discarded.
+
+Decode rows (one query row per sequence) on the CPU skip all of that: `decode_attention`'s
+kernel reads each row's own slot up to its own position, so no padding, mask or gathered copy.
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from replica import decode_attention as kernel
+
+# Decode rows through the C++ kernel where it is built (a switch so benchmarks can measure without it).
+USE_DECODE_KERNEL = True
 
 # Gather a group's slots when the slot range it spans is more than this many times its slot count.
 GATHER_SPREAD = 2
@@ -33,8 +41,11 @@ class AttentionGroup:
     kv_len: int
     mask: torch.Tensor | None  # [seqs, 1, q_per_kv * q_max, kv_len]; None: every query sees every key
     kv_slots: torch.Tensor | None = None  # [seqs] slots to gather (scattered groups only)
-    # Decodes, one row per sequence: the group's rows in sequence order (no padded query layout).
+    # Decodes, one row per sequence: the group's rows in sequence order (no padded query layout),
+    # and for the decode kernel each row's cache row (slot) and number of keys (position + 1).
     seq_rows: torch.Tensor | None = None
+    row_slots: torch.Tensor | None = None
+    row_lengths: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -64,17 +75,30 @@ def build_group(
     last_key[row, off] = torch.tensor(positions, device=device)
     kv_slots = torch.tensor(distinct, device=device) if gather else None
     one_per_seq = q_max == 1 and len(slots) == num_seqs
-    seq_rows = None
+    seq_rows = row_slots = row_lengths = None
     if one_per_seq:
         by_seq = sorted(range(len(slots)), key=lambda i: seq_of[slots[i]])
         seq_rows = torch.tensor([token_idx[i] for i in by_seq], device=device)
+        row_slots = torch.tensor(slots, device=device)
+        row_lengths = torch.tensor(positions, device=device) + 1
     if one_per_seq and len(set(positions)) == 1:  # every query's keys are the whole range: no mask
         mask = None
     else:
         mask = torch.arange(kv_len, device=device) <= last_key.unsqueeze(-1)  # [seqs, q_max, kv_len]
         mask = mask.repeat(1, q_per_kv, 1).unsqueeze(1)
     return AttentionGroup(
-        torch.tensor(token_idx, device=device), row, off, lo, hi, q_max, kv_len, mask, kv_slots, seq_rows
+        torch.tensor(token_idx, device=device),
+        row,
+        off,
+        lo,
+        hi,
+        q_max,
+        kv_len,
+        mask,
+        kv_slots,
+        seq_rows,
+        row_slots,
+        row_lengths,
     )
 
 
@@ -85,7 +109,11 @@ def slot_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv = num_heads // meta.q_per_kv
     out = q.new_empty(num_tokens, num_heads * head_dim)
+    use_kernel = USE_DECODE_KERNEL and kernel.available(q.device)
     for g in meta.groups:
+        if use_kernel and g.row_slots is not None:
+            kernel.decode_attention(q, k_cache, v_cache, g.token_idx, g.row_slots, g.row_lengths, out)
+            continue
         seqs = g.num_seqs
         if g.kv_slots is None:
             k = k_cache[g.slot_lo : g.slot_hi, :, : g.kv_len]

@@ -8,6 +8,7 @@ real model against fp32 on a few prompts."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -61,6 +62,7 @@ def test_bf16_packed_and_int8_products_match_fp32(rows):
 
 def test_gathered_attention_equals_the_range_view(monkeypatch):
     """Decodes in scattered slots (gathered) and the same decodes read through the slot range."""
+    monkeypatch.setattr("replica.attention.USE_DECODE_KERNEL", False)  # SDPA's layouts (the kernel needs none)
     torch.manual_seed(0)
     k, v = torch.randn(64, 3, 40, 16), torch.randn(64, 3, 40, 16)
     q = torch.randn(3, 9, 16)
@@ -79,6 +81,41 @@ def test_gathered_attention_equals_the_range_view(monkeypatch):
         qi = q[i].view(3, 3, 16)
         ref = F.scaled_dot_product_attention(qi, k[s, :, : p + 1], v[s, :, : p + 1]).reshape(-1)
         torch.testing.assert_close(gathered[i], ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_decode_kernel_equals_sdpa(monkeypatch, dtype, head_dim):
+    """The C++ decode kernel and the SDPA path give the same attention for decode rows in scattered
+    slots, listed out of slot order, with grouped K/V heads, next to a prefill chunk's rows (which
+    stay on SDPA); head_dim 24 takes the kernel's scalar tail."""
+    from replica import decode_attention
+
+    if not shutil.which("c++"):
+        pytest.skip("no C++ compiler: the kernel is not built and SDPA serves every row")
+    assert decode_attention.available("cpu")
+    torch.manual_seed(0)
+    k, v = (torch.randn(64, 3, 40, head_dim).to(dtype) for _ in range(2))
+    q = torch.randn(7, 9, head_dim).to(dtype)
+    slots, positions = [61, 2, 30, 7], [17, 5, 39, 0]
+    groups = [
+        build_group([0, 1, 2, 3], slots, [0, 0, 0, 0], positions, 3, "cpu"),
+        build_group([4, 5, 6], [9, 9, 9], [0, 1, 2], [10, 11, 12], 3, "cpu"),  # a prefill chunk
+    ]
+    meta = AttentionMetadata(torch.tensor(slots + [9, 9, 9]), groups, 3)
+
+    def run(kernel: bool) -> torch.Tensor:
+        monkeypatch.setattr("replica.attention.USE_DECODE_KERNEL", kernel)
+        return slot_attention(q, k, v, meta).float()
+
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(run(True), run(False), rtol=tol, atol=tol)
+    # a cache row or key count past the cache is refused, not read
+    out, rows = q.new_empty(7, 9 * head_dim), torch.tensor([0])
+    with pytest.raises(RuntimeError, match="cache row 64 out of range"):
+        decode_attention.decode_attention(q, k, v, rows, torch.tensor([64]), torch.tensor([1]), out)
+    with pytest.raises(RuntimeError, match="41 keys, the cache holds 40"):
+        decode_attention.decode_attention(q, k, v, rows, torch.tensor([0]), torch.tensor([41]), out)
 
 
 def test_greedy_agreement_counts_identical_requests():

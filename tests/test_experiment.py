@@ -299,13 +299,15 @@ COST_MODEL = '{"c0": 0.004, "c_decode": 0.0005, "c_prefill": 0.00005, "c_ctx": 0
 
 def test_ray_serve_routers_run_beside_slotserve_in_one_file(tmp_path, capsys, local_ray):
     """Ray Serve's default router is one more value of sweep.routing: on a cluster its cell runs
-    the same replica engine (fake, each step priced by a cost model file) as a Ray Serve
-    application and is recorded in the same store with its steps, and the output compares
-    slotserve's best policy with it. --simulate leaves Serve's cells out and says so."""
+    the same replica engine (fake, each step priced by a cost model file, prefix caching on) as
+    a Ray Serve application and is recorded in the same store with its steps, and the output
+    compares slotserve's best policy with it. The capacity that sets the load is measured with
+    prompts the prefix cache has not seen. --simulate leaves Serve's cells out and says so."""
     (tmp_path / "cost.json").write_text(COST_MODEL)
     text = (
         EXPERIMENT.replace("num_requests = 12", "num_requests = 16")
         .replace("fake_step_seconds = 0.01", 'cost_model = "cost.json"\ncost_scale = 2.0')
+        .replace("max_seq_len = 256", 'max_seq_len = 256\nengine = { kv_cache = "paged", prefix_caching = true }')
         .replace('["static", "continuous"]', '["continuous"]')
         .replace('["least_loaded"]', '["least_work", "serve_power_of_two"]')
         .replace("load = [0.5, 1.0]", "load = [0.8]")
@@ -322,6 +324,9 @@ def test_ray_serve_routers_run_beside_slotserve_in_one_file(tmp_path, capsys, lo
     for run in runs:
         assert len(store.requests(run["run_id"])) == 16
         assert sum(s["prefill_tokens"] for s in store.steps(run["run_id"])) > 0
+        # each prefill probe's prompts are new to the prefix cache: the rate is what computing
+        # them costs (at most 1 / c_prefill per replica), not the rate of cache hits
+        assert 0 < run["config"]["capacity_prefill_tokens_per_s"] < 2 / (0.00005 * 2.0)
     serve_steps = store.steps(runs[1]["run_id"])
     assert {s["replica_id"][:6] for s in serve_steps} == {"serve-"} and len({s["replica_id"] for s in serve_steps}) == 2
     out = capsys.readouterr().out

@@ -1,0 +1,179 @@
+"""Decode attention on the CPU as one small C++ kernel, built once with torch's C++ extension tools.
+
+Why: a decode row has one query per head, and its sequence's K/V sit in the cache up to its
+own position. torch's flash SDPA for the CPU handles such a row as a 3-query block (the
+grouped heads) over a padded key range with a mask, and at 16-64 rows reaches a fraction of the
+memory bandwidth that bounds this work (HARDWARE.md, "What each optimisation bought"). This
+kernel reads each row's keys straight from its slot (no gathered copy of scattered slots, no
+padding to the longest row, no mask), reads each key and value once for all the query heads
+that share it, and runs rows and K/V heads in parallel on torch's threads. It accumulates in
+fp32 for fp32 and bf16 caches alike.
+
+The build (about 40 s, cached under torch's extension directory, keyed by the source and the
+CPU's flags) needs a C++ compiler and ninja; `make setup` runs it. Where it cannot be built, or
+off the CPU, `available()` is False and attention keeps to SDPA.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+
+import torch
+
+from replica.cpu import cpu_info
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// 16 values as fp32 (bf16: widen to 32 bits and shift into the high half).
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
+
+static inline float to_float(float x) { return x; }
+static inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+
+// q . k over D values, q already fp32.
+template <typename T>
+static inline float dot(const float* q, const T* k, int64_t D) {
+  int64_t d = 0;
+  float s = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + 16 <= D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
+  s = _mm512_reduce_add_ps(acc);
+#endif
+  for (; d < D; ++d) s += q[d] * to_float(k[d]);
+  return s;
+}
+
+// acc += p * v over D values.
+template <typename T>
+static inline void axpy(float* acc, float p, const T* v, int64_t D) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 pv = _mm512_set1_ps(p);
+  for (; d + 16 <= D; d += 16) _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
+#endif
+  for (; d < D; ++d) acc[d] += p * to_float(v[d]);
+}
+
+// out[rows[i], h * D:(h + 1) * D] = softmax(q[rows[i], h] . K[slot, kvh, :len]^T * scale) V[slot, kvh, :len]
+template <typename T>
+static void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
+                const at::Tensor& slots, const at::Tensor& lengths, double scale, at::Tensor& out) {
+  const int64_t n = rows.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KV = k.size(1), Lmax = k.size(2), G = H / KV;
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, n * KV, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), score;
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t i = job / KV, kvh = job % KV, row = rp[i], len = lp[i];
+      const int64_t base = (sp[i] * KV + kvh) * Lmax * D;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qp[row * qs0 + (kvh * G + g) * qs1 + d]) * fscale;
+      score.resize(G * len);
+      for (int64_t l = 0; l < len; ++l)
+        for (int64_t g = 0; g < G; ++g) score[g * len + l] = dot(qf.data() + g * D, kp + base + l * D, D);
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = score.data() + g * len;
+        float m = sg[0], sum = 0.f;
+        for (int64_t l = 1; l < len; ++l) m = std::max(m, sg[l]);
+#pragma omp simd
+        for (int64_t l = 0; l < len; ++l) sg[l] = std::exp(sg[l] - m);  // vectorized through libmvec
+#pragma omp simd reduction(+ : sum)
+        for (int64_t l = 0; l < len; ++l) sum += sg[l];
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t l = 0; l < len; ++l) sg[l] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t l = 0; l < len; ++l)
+        for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, score[g * len + l], vp + base + l * D, D);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) op[row * os0 + (kvh * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
+    }
+  });
+}
+
+void decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor rows, at::Tensor slots,
+                      at::Tensor lengths, double scale, at::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(1) % k.size(1) == 0);
+  TORCH_CHECK(q.size(2) == k.size(3) && out.size(1) == q.size(1) * q.size(2));
+  TORCH_CHECK(q.stride(2) == 1 && k.is_contiguous() && v.is_contiguous() && out.stride(1) == 1);
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
+              k.scalar_type() == out.scalar_type());
+  TORCH_CHECK(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
+              lengths.scalar_type() == at::kLong);
+  TORCH_CHECK(rows.is_contiguous() && slots.is_contiguous() && lengths.is_contiguous());
+  TORCH_CHECK(slots.size(0) == rows.size(0) && lengths.size(0) == rows.size(0));
+  for (int64_t i = 0; i < rows.size(0); ++i) {  // the kernel reads without bounds checks
+    const int64_t r = rows.data_ptr<int64_t>()[i], s = slots.data_ptr<int64_t>()[i], n = lengths.data_ptr<int64_t>()[i];
+    TORCH_CHECK(r >= 0 && r < q.size(0) && r < out.size(0), "decode_attention: row ", r, " out of range");
+    TORCH_CHECK(s >= 0 && s < k.size(0), "decode_attention: cache row ", s, " out of range");
+    TORCH_CHECK(n >= 1 && n <= k.size(2), "decode_attention: ", n, " keys, the cache holds ", k.size(2));
+  }
+  if (q.scalar_type() == at::kBFloat16) run<at::BFloat16>(q, k, v, rows, slots, lengths, scale, out);
+  else if (q.scalar_type() == at::kFloat) run<float>(q, k, v, rows, slots, lengths, scale, out);
+  else TORCH_CHECK(false, "decode_attention: float32 or bfloat16, got ", q.scalar_type());
+}
+"""
+
+
+@functools.cache
+def _module():
+    """The built extension, or None where it cannot be built here (the reason is logged once)."""
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        # -march=native code: one build per CPU kind, should the cache directory be shared.
+        flags = hashlib.sha1(" ".join(sorted(cpu_info().flags)).encode()).hexdigest()[:8]
+        return load_inline(
+            name=f"slotserve_decode_attention_{flags}",
+            cpp_sources=_SOURCE,
+            functions=["decode_attention"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as err:  # noqa: BLE001 - no compiler or headers: attention keeps to SDPA
+        log.warning("decode attention kernel not built (%s: %s); using scaled_dot_product_attention", type(err), err)
+        return None
+
+
+def available(device: torch.device | str) -> bool:
+    return torch.device(device).type == "cpu" and _module() is not None
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """For each i: out[rows[i]] = attention of q[rows[i]] ([heads, head_dim]) over the first
+    lengths[i] keys and values of cache row slots[i] ([rows, kv_heads, cols, head_dim])."""
+    _module().decode_attention(q, k_cache, v_cache, rows, slots, lengths, q.shape[-1] ** -0.5, out)
