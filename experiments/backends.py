@@ -50,11 +50,12 @@ async def _probe(client: Client, num_requests: int, max_tokens: int) -> float:
     return decode_rate(r.token_times for r in results)
 
 
-async def _prefill_probe(client: Client, num_requests: int, prompt_len: int, probe: int) -> float:
+async def _prefill_probe(client: Client, num_requests: int, prompt_len: int, probe: int, vocab_size: int) -> float:
     """Distinct prompts, one output token each: no prefix shared within a probe or with an
-    earlier probe (whose prompts a prefix cache still holds), so every prompt token is computed."""
-    first = probe * num_requests
-    prompts = [[100 + (7 * (first + i) + j) % 20_000 for j in range(prompt_len)] for i in range(num_requests)]
+    earlier probe (whose prompts a prefix cache still holds), so every prompt token is computed.
+    Prompt k counts up from its own first token (100 + 7k, wrapping inside the vocabulary)."""
+    first, span = probe * num_requests, vocab_size - 100
+    prompts = [[100 + (7 * (first + i) + j) % span for j in range(prompt_len)] for i in range(num_requests)]
     results = await asyncio.gather(*[client.agenerate(p, max_tokens=1, ignore_eos=True) for p in prompts])
     return prefill_rate(prompt_len, (r.token_times[0] for r in results), min(r.arrival for r in results))
 
@@ -67,10 +68,11 @@ def measure_capacity(deployment: Deployment, max_tokens: int = PROBE_MAX_TOKENS,
     infos = ray.get([r.info.remote() for r in deployment.replicas.values()])
     slots = sum(i["num_slots"] for i in infos)
     prompt_len = prefill_probe_len(min(i["max_request_tokens"] for i in infos))
+    vocab_size = min(i["vocab_size"] for i in infos)
     with Client() as client:
         decode = statistics.median(asyncio.run(_probe(client, slots, max_tokens)) for _ in range(probes))
         prefill = statistics.median(
-            asyncio.run(_prefill_probe(client, PREFILL_PROBE_ROUNDS * slots, prompt_len, probe))
+            asyncio.run(_prefill_probe(client, PREFILL_PROBE_ROUNDS * slots, prompt_len, probe, vocab_size))
             for probe in range(probes)
         )
     return Capacity(decode, prefill)
