@@ -10,7 +10,7 @@ from pathlib import Path
 import ray
 
 from experiments.plan import plan_experiment
-from experiments.report import against_serve, format_summary, summarize_runs, write_report
+from experiments.report import against_serve, format_summary, prefix_ceilings, summarize_runs, write_report
 from experiments.run import run_experiment
 from metrics.store import DEFAULT_STORE
 from replica.errors import ConfigError
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
             ray.shutdown()
     rows = summarize_runs(result)
     print(format_summary(rows))
-    for line in against_serve(rows):
+    for line in against_serve(rows) + prefix_ceilings(result, rows):
         print(line)
     out = args.out or experiment.path.parent / experiment.name
     report = write_report(result, rows, out, _command(args))

@@ -120,6 +120,7 @@ class SimulatedBackend:
 
     def __init__(self, plan: Plan, store: MetricsStore):
         self.plan, self.store = plan, store
+        self.vocab_size: int | None = None  # the simulated model's vocabulary, read when capacity is measured
 
     def _config(self, cell: Cell, routing: str, seed: int):
         from sim.simulator import SimulationConfig
@@ -134,7 +135,9 @@ class SimulatedBackend:
     def capacity(self, cell: Cell) -> Capacity:
         from sim.simulator import measure_capacity as simulated_capacity
 
-        return simulated_capacity(self._config(cell, DEFAULT_POLICY, 0), self.plan.cost)
+        config = self._config(cell, DEFAULT_POLICY, 0)
+        self.vocab_size = config.vocab_size
+        return simulated_capacity(config, self.plan.cost)
 
     def run(self, cell: Cell, workload: Workload, name: str, config: dict, slo: dict) -> int:
         from sim.simulator import record_simulation, simulate

@@ -19,6 +19,7 @@ from experiments.run import ExperimentResult
 from metrics.definitions import SLO
 from metrics.report import analyze
 from metrics.store import MetricsStore
+from workloads.prefixes import best_prefix_hit_rate
 
 # key, header, value from analyze()'s cluster scope (with the run-wide prefix hit rate, imbalance, regret), format
 METRICS: list[tuple[str, str, Callable[[dict], float | None], str]] = [
@@ -127,6 +128,34 @@ def against_serve(rows: list[SummaryRow]) -> list[str]:
         where = " ".join(f"{a}={_key_text(by_policy[best], a)}" for a in shown_axes(rows) if a != "routing")
         ratios = ", ".join(f"{good[best] / good[p]:.2f}x {p} ({good[p]:.1f})" if good[p] else f"{p} 0" for p in serve)
         lines.append(f"{where or cell.label}: best slotserve {best} {good[best]:.1f} good tok/s = {ratios}")
+    return lines
+
+
+def prefix_ceilings(result: ExperimentResult, rows: list[SummaryRow]) -> list[str]:
+    """Per workload whose prompts share blocks, on replicas with prefix caching: the best
+    possible prefix hit rate (`best_prefix_hit_rate`: every request sent where its longest
+    cached prefix lives and nothing evicted; median over seeds) and each policy's measured
+    rate (median over its runs, every load) as a share of it, best first."""
+    plan, lines = result.plan, []
+    if result.vocab_size is None:
+        return lines
+    for name in dict.fromkeys(r.cell.workload for r in rows):
+        cells = {c.seed: c for c, _ in result.runs if c.workload == name}
+        engine = plan.engine_config(next(iter(cells.values())))
+        workloads = {s: plan.workload(c, result.capacities[c.slots]) for s, c in cells.items()}
+        if not engine.prefix_caching or not any(q.blocks for w in workloads.values() for q in w.requests):
+            continue
+        best = statistics.median(
+            best_prefix_hit_rate(w, seed, result.vocab_size, engine.block_size) for seed, w in workloads.items()
+        )
+        hits: dict[str, list[float]] = {}
+        for r in rows:
+            if r.cell.workload == name:
+                hits.setdefault(r.cell.routing, []).extend(v / 100 for v in r.values["prefix_hit_rate"])
+        measured = sorted(((statistics.median(v), p) for p, v in hits.items() if v), reverse=True)
+        policies = ", ".join(f"{p} {100 * h:.1f}% ({h / best:.2f}x)" for h, p in measured) if best else "-"
+        title = name or next(iter(workloads.values())).name
+        lines.append(f"{title}: best possible prefix hit {100 * best:.1f}%; {policies}")
     return lines
 
 
@@ -256,7 +285,7 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
     finally:
         store.close()
     c, slo = experiment.cluster, experiment.slo
-    serve = against_serve(rows)
+    serve, ceilings = against_serve(rows), prefix_ceilings(result, rows)
     if c.model != "fake":
         model = c.model
     elif c.fake_step_seconds is not None:
@@ -296,6 +325,7 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
         format_summary(rows, markdown=True),
         "",
         *(["## Against Ray Serve's routers", "", *[f"- {line}" for line in serve], ""] if serve else []),
+        *(["## Prefix cache against the best possible", "", *[f"- {x}" for x in ceilings], ""] if ceilings else []),
         "## Runs",
         "",
         "| row | run ids |",

@@ -21,6 +21,7 @@ class ExperimentResult:
     store_path: Path
     runs: list[tuple[Cell, int]] = field(default_factory=list)  # in the order they ran
     capacities: dict[int, Capacity] = field(default_factory=dict)  # slots per replica -> measured capacity
+    vocab_size: int | None = None  # the replicas' vocabulary (prompts are drawn from it), once capacity is measured
 
 
 def run_experiment(
@@ -47,6 +48,7 @@ def run_experiment(
             bar.set_postfix_str(cell.label)
             if cell.slots not in result.capacities:
                 result.capacities[cell.slots] = backend.capacity(cell)
+                result.vocab_size = backend.vocab_size
             capacity = result.capacities[cell.slots]
             workload = plan.workload(cell, capacity)
             name = f"{experiment.name} {cell.label}"

@@ -15,6 +15,7 @@ from experiments.plan import plan_experiment
 from experiments.run import run_experiment
 from metrics.plots import slot_spans
 from metrics.store import MetricsStore, open_store
+from workloads.prefixes import best_prefix_hit_rate
 
 EXPERIMENT = """\
 name = "tiny"
@@ -337,3 +338,38 @@ def test_ray_serve_routers_run_beside_slotserve_in_one_file(tmp_path, capsys, lo
     out = capsys.readouterr().out
     assert "1 cells routed by Ray Serve's routers left out" in out
     assert [r["routing_policy"] for r in MetricsStore(tmp_path / "sim.db").runs()] == ["least_work"]
+
+
+def test_prefix_hit_rates_are_set_against_the_best_possible(tmp_path, capsys):
+    """On a workload whose prompts share blocks, with prefix caching on, the output and the
+    report set each policy's prefix hit rate against the best possible one (every request
+    where its longest cached prefix lives): the ceiling is the workload's own, no measured
+    rate exceeds it by more than rounding, and the cache-blind policy stays below the
+    prefix-aware one. A workload without shared blocks gets no such line."""
+    text = (
+        EXPERIMENT.replace('standard = "bursty-mix"', 'standard = "shared-prefix"')
+        .replace("num_requests = 12", "num_requests = 48")
+        .replace("max_seq_len = 256", 'max_seq_len = 512\nengine = { kv_cache = "paged", prefix_caching = true }')
+        .replace('["static", "continuous"]', '["continuous"]')
+        .replace('["least_loaded"]', '["round_robin", "prefix_affinity"]')
+        .replace("load = [0.5, 1.0]", "load = [0.6]")
+        .replace("seeds = [0, 1]", "seeds = [0]")
+    )
+    path, store_path = write(tmp_path, text), tmp_path / "store.db"
+    assert main(["experiment", str(path), "--simulate", "--store", str(store_path), "--out", str(tmp_path / "o")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "best possible prefix hit" in x)
+    plan = plan_experiment(path, simulate=True)
+    result = run_experiment(plan, simulate=True, store_path=tmp_path / "again.db", progress=False)
+    workload = plan.workload(plan.cells[0], result.capacities[4])
+    best = best_prefix_hit_rate(workload, 0, result.vocab_size, 16)
+    assert 0.3 < best < 1 and f"best possible prefix hit {100 * best:.1f}%" in line
+    parts = [part.split(" ", 1) for part in line.split("; ")[1].split(", ")]
+    rates = {policy: float(rest.split("%")[0]) / 100 for policy, rest in parts}
+    assert set(rates) == {"round_robin", "prefix_affinity"}
+    assert all(r <= best + 0.01 for r in rates.values()) and rates["round_robin"] < rates["prefix_affinity"]
+    assert line.split(": ", 1)[1] in (tmp_path / "o" / "report.md").read_text()
+
+    plain = text.replace('standard = "shared-prefix"', 'standard = "bursty-mix"')
+    path = write(tmp_path, plain, "plain.toml")
+    assert main(["experiment", str(path), "--simulate", "--store", str(tmp_path / "p.db"), "--out", str(tmp_path)]) == 0
+    assert "best possible prefix hit" not in capsys.readouterr().out
