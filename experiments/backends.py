@@ -153,8 +153,10 @@ class RayBackend:
     """Cells on a Ray cluster this experiment starts (and stops): slotserve's replicas and
     router, or, for a cell routed by one of Ray Serve's routers, the same replica engine as a
     Ray Serve application (`cluster.serve_baseline`) recording into a store actor of its own.
-    What runs is restarted only when the cell's batching policy, slots or token budget differ
-    from the last cell's, or it moves between slotserve and a Serve router."""
+    slotserve's cluster is restarted only when the cell's batching policy, slots or token budget
+    differ from the last cell's (each run starts its replicas' prefix caches empty); a Serve cell
+    always gets a fresh application, so its replicas' caches and its router's state (the prefix
+    router's tree lives in the caller's handle) start empty too."""
 
     def __init__(self, plan: Plan, store_path: Path, address: str | None):
         from cluster.deploy import ensure_ray
@@ -196,14 +198,13 @@ class RayBackend:
     def _deploy_serve(self, cell: Cell) -> ServeBaseline:
         from cluster.store_actor import StoreActor
 
-        if self.deployed != (cell.deployment, cell.routing):
-            self.close()
-            c = self.plan.experiment.cluster
-            self.serve_store = StoreActor.remote(str(self.store_path.resolve()))
-            self.serve = ServeBaseline(
-                self._replica_config(cell), c.replicas, cell.routing, self.serve_store, c.num_cpus, c.num_gpus
-            )
-            self.deployed = (cell.deployment, cell.routing)
+        self.close()
+        c = self.plan.experiment.cluster
+        self.serve_store = StoreActor.remote(str(self.store_path.resolve()))
+        self.serve = ServeBaseline(
+            self._replica_config(cell), c.replicas, cell.routing, self.serve_store, c.num_cpus, c.num_gpus
+        )
+        self.deployed = (cell.deployment, cell.routing)
         return self.serve
 
     def capacity(self, cell: Cell) -> Capacity:

@@ -273,8 +273,10 @@ class ReplicaActor:
 
     async def set_run(self, run_id: int | None) -> None:
         """Tag step samples from now on with this run (flushing the previous run's); its
-        requests are still to come."""
+        requests are still to come. The run starts with an empty prefix cache, so runs of the
+        same traffic do not inherit each other's hits."""
         await self.flush()
+        self.serving.reset_prefix_cache()
         self.run_id = run_id
         self.telemetry.set_run(run_id)
         self.serving.set_arrivals_done(False)

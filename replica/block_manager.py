@@ -83,6 +83,19 @@ class BlockManager:
                 block.hash, block.token_ids = h, self._block_tokens(request, i)
                 self._cached[h] = block_id
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (they become plain free blocks), so what
+        comes next finds none of what came before; blocks in use stay cached. Returns how many
+        were forgotten."""
+        forgotten = list(self._free_cached)
+        for block_id in forgotten:
+            block = self.blocks[block_id]
+            del self._cached[block.hash]
+            block.hash, block.token_ids = None, ()
+        self._free_cached.clear()
+        self._free.extend(reversed(forgotten))
+        return len(forgotten)
+
     def _hashes(self, request: Request, num_blocks: int) -> list[int]:
         """The chained hashes of the request's first `num_blocks` full blocks, memoised on the
         request (its tokens are append-only, so they never go stale, even across preemption)."""
@@ -193,6 +206,9 @@ class PagedSlotTable(SlotTable):
 
     def cached_prefix_tokens(self, request: Request) -> int:
         return len(self.blocks.prefix_hits(request)) * self.block_size
+
+    def reset_prefix_cache(self) -> int:
+        return self.blocks.reset_prefix_cache()
 
     def can_admit(self, request: Request, num_tokens: int) -> bool:
         return bool(self._free) and self.blocks.can_allocate(request, num_tokens)

@@ -171,6 +171,11 @@ class Engine:
         request = self.requests.get(request_id)
         return None if request is None else self._finish(request, FinishReason.ABORT, [], "")
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prompt prefixes no request holds (paged cache with prefix caching),
+        so a measured run does not inherit the hits of the one before; returns blocks forgotten."""
+        return self.scheduler.slots.reset_prefix_cache()
+
     # ---- the loop ----------------------------------------------------------------------
     @property
     def has_unfinished(self) -> bool:

@@ -160,6 +160,7 @@ class AsyncEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._task: asyncio.Task | None = None
         self._arrivals_done = False
+        self._reset_prefix_cache = False  # asked for; done between steps, on the loop's side
         self._step_started: float | None = None  # monotonic start of the step running now
         self._last_step = time.monotonic()
         self.loop_error: str | None = None
@@ -172,6 +173,12 @@ class AsyncEngine:
         """Whether more requests may come before one of the running ones ends. Only the driver
         knows; with none coming, a static batch need not wait to be full."""
         self._arrivals_done = done
+        self._wake.set()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prompt prefixes no request holds, before the next step (never
+        during one: the step runs on another thread)."""
+        self._reset_prefix_cache = True
         self._wake.set()
 
     async def submit(
@@ -304,6 +311,9 @@ class AsyncEngine:
         return count
 
     def _apply_inbox(self) -> None:
+        if self._reset_prefix_cache:
+            self._reset_prefix_cache = False
+            self.engine.reset_prefix_cache()
         inbox, self._inbox = self._inbox, []
         for item in inbox:
             if isinstance(item, str):

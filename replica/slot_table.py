@@ -46,6 +46,10 @@ class SlotTable:
         """Leading tokens of `request` whose K/V admission would reuse: none, slots share nothing."""
         return 0
 
+    def reset_prefix_cache(self) -> int:
+        """Forget cached prefixes no request holds; how many blocks were forgotten (none here)."""
+        return 0
+
     def can_admit(self, request: Request, num_tokens: int) -> bool:
         return bool(self._free) and num_tokens <= self.free_kv_tokens
 

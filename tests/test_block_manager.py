@@ -100,6 +100,22 @@ def test_freed_cached_blocks_are_reused_then_evicted_tail_first():
     m.check_invariants([c])
 
 
+def test_reset_forgets_free_cached_blocks_and_keeps_those_in_use():
+    """reset_prefix_cache() turns every cached block no request holds into a plain free block
+    (a later equal prompt hits nothing), while a running request's shared blocks stay cached."""
+    m = BlockManager(num_blocks=8, block_size=BS, prefix_caching=True)
+    m.free(computed(m, list(range(9)), "a"))  # 2 full cached blocks + 1 partly filled, freed
+    b = computed(m, list(range(100, 109)), "b")
+    assert len(m.prefix_hits(request(list(range(9)), "x"))) == 2
+    assert m.reset_prefix_cache() == 2
+    assert m.prefix_hits(request(list(range(9)), "y")) == [] and m.num_free_blocks == 5
+    assert len(m.prefix_hits(request(list(range(100, 109)), "z"))) == 2  # b still holds its blocks
+    m.check_invariants([b])
+    m.free(b)
+    assert m.reset_prefix_cache() == 2 and m.num_free_blocks == 8
+    m.check_invariants([])
+
+
 def test_can_allocate_counts_a_revived_block_as_taken():
     """A hit on a free cached block takes it off the free list; a hit on a block in use is free."""
     m = BlockManager(num_blocks=3, block_size=BS, prefix_caching=True)

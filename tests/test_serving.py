@@ -104,6 +104,26 @@ def test_dynamic_policy_wakes_on_its_timer():
     assert elapsed >= 0.1
 
 
+def test_prefix_cache_reset_happens_between_steps_and_a_repeat_then_hits_nothing():
+    """A prompt sent twice hits the prefix cache the second time; after reset_prefix_cache()
+    (what a replica does when a run begins) the same prompt is computed whole again."""
+    serving, *_ = make(slots=2, kv_cache="paged", prefix_caching=True)
+    scheduler = serving.engine.scheduler
+    prompt = list(range(100, 164))
+
+    async def main():
+        await collect(serving, prompt, 2, "a")
+        cold = scheduler.num_prefix_cached_tokens
+        await collect(serving, prompt, 2, "b")
+        warm = scheduler.num_prefix_cached_tokens
+        serving.reset_prefix_cache()
+        await collect(serving, prompt, 2, "c")
+        return cold, warm, scheduler.num_prefix_cached_tokens
+
+    cold, warm, after_reset = asyncio.run(asyncio.wait_for(main(), 60))
+    assert cold == 0 and warm == 48 and after_reset == warm
+
+
 def test_build_engine_picks_the_fake_model():
     """ReplicaConfig.fake_step_seconds serves the flat-cost fake model (no weights loaded)."""
     engine = build_engine(ReplicaConfig(fake_step_seconds=0.01))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from pydantic import Field, PositiveFloat, PositiveInt
 
-from protocol.blocks import cacheable_block_hashes
+from protocol.blocks import block_hashes, cacheable_block_hashes
 from workloads.workload import SpecModel, Workload, WorkloadRequest, request_prompt
 
 _SYSTEM_BLOCK_BASE = 1_000_000  # system prompt k's j-th block: (k + 1) * base + j
@@ -96,14 +96,17 @@ def best_prefix_hit_rate(workload: Workload, prompt_seed: int, vocab_size: int, 
     """The share of prompt tokens a prefix cache could skip if every request went where its
     longest cached prefix lives and nothing were ever evicted: for each request, its leading
     cacheable blocks (of `block_size` tokens) that any earlier request's prompt already had,
-    over all prompt tokens. The ceiling a prefix-aware router is measured against; prompts are
-    the ones a run with `prompt_seed` sends."""
+    over all prompt tokens. Every full block of an earlier prompt counts as cached, the one
+    holding its last token included (the engine files it once computed), while a request's own
+    last token is always computed. The ceiling a prefix-aware router is measured against;
+    prompts are the ones a run with `prompt_seed` sends."""
     seen: set[int] = set()
     hit = total = 0
     for index, request in enumerate(workload.requests):
-        hashes = cacheable_block_hashes(request_prompt(prompt_seed, index, request, vocab_size), block_size)
+        prompt = request_prompt(prompt_seed, index, request, vocab_size)
+        hashes = cacheable_block_hashes(prompt, block_size)
         matched = next((i for i, h in enumerate(hashes) if h not in seen), len(hashes))
         hit += matched * block_size
         total += request.prompt_len
-        seen.update(hashes)
+        seen.update(block_hashes(prompt, block_size))
     return hit / total if total else 0.0
