@@ -166,7 +166,7 @@ class RayBackend:
         self.deployment: Deployment | None = None
         self.serve: ServeBaseline | None = None
         self.serve_store = None
-        self.deployed: tuple | None = None
+        self.deployed: tuple | None = None  # the Cell.deployment slotserve's running cluster was started for
         self.vocab_size: int | None = None  # the replicas' vocabulary, read when capacity is measured
 
     def _replica_config(self, cell: Cell):
@@ -181,7 +181,7 @@ class RayBackend:
     def _deploy(self, cell: Cell) -> Deployment:
         from cluster.deploy import ClusterSpec, start_cluster
 
-        if self.deployed != (cell.deployment, None):
+        if self.deployed != cell.deployment:
             self.close()
             c = self.plan.experiment.cluster
             spec = ClusterSpec(
@@ -192,7 +192,7 @@ class RayBackend:
                 num_gpus_per_replica=c.num_gpus,
                 store_path=str(self.store_path),
             )
-            self.deployment, self.deployed = start_cluster(spec), (cell.deployment, None)
+            self.deployment, self.deployed = start_cluster(spec), cell.deployment
         return self.deployment
 
     def _deploy_serve(self, cell: Cell) -> ServeBaseline:
@@ -204,7 +204,6 @@ class RayBackend:
         self.serve = ServeBaseline(
             self._replica_config(cell), c.replicas, cell.routing, self.serve_store, c.num_cpus, c.num_gpus
         )
-        self.deployed = (cell.deployment, cell.routing)
         return self.serve
 
     def capacity(self, cell: Cell) -> Capacity:

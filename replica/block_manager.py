@@ -89,9 +89,7 @@ class BlockManager:
         were forgotten."""
         forgotten = list(self._free_cached)
         for block_id in forgotten:
-            block = self.blocks[block_id]
-            del self._cached[block.hash]
-            block.hash, block.token_ids = None, ()
+            self._uncache(self.blocks[block_id])
         self._free_cached.clear()
         self._free.extend(reversed(forgotten))
         return len(forgotten)
@@ -146,11 +144,14 @@ class BlockManager:
         else:  # evict the least recently freed cached block
             block_id = next(iter(self._free_cached))
             del self._free_cached[block_id]
-            block = self.blocks[block_id]
-            del self._cached[block.hash]
-            block.hash, block.token_ids = None, ()
+            self._uncache(self.blocks[block_id])
         self.blocks[block_id].ref_count = 1
         return block_id
+
+    def _uncache(self, block: Block) -> None:
+        """Take a free block out of the prefix cache (its caller drops it from `_free_cached`)."""
+        del self._cached[block.hash]
+        block.hash, block.token_ids = None, ()
 
     def free(self, request: Request) -> None:
         """Drop the request's references. Its last blocks go on the free lists first, so a cached
