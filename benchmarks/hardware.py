@@ -177,13 +177,40 @@ def decode_kernel(runner: ModelRunner, reps: int, steps: int) -> list[dict]:
     return rows
 
 
+def fused_kernels(runner: ModelRunner, reps: int, steps: int) -> list[dict]:
+    """Decode steps with the per-layer C++ kernels (RMSNorm, RoPE with the cache write, SiLU times
+    up; `replica.fused_ops`) against torch's operators."""
+    if not runner.model.fused:
+        return []  # not built here: nothing to measure against
+    rows = []
+    for batch in (1, 8, 64):
+        engine = _decode_engine(runner, batch, steps)
+        t = in_turns(
+            {
+                "torch": _with(lambda: setattr(runner.model, "fused", False), engine.step),
+                "fused": _with(lambda: setattr(runner.model, "fused", True), engine.step),
+            },
+            reps,
+        )
+        rows.append(
+            {
+                "what": f"per-layer C++ kernels instead of torch's operators (decode step, B={batch})",
+                "without": t["torch"],
+                "with": t["fused"],
+            }
+        )
+        runner.model.fused = True
+        _drain(engine)
+    return rows
+
+
 def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
     """What each optimisation of the forward pass buys, each measured against its absence in
     one run, in turns: bf16 against fp32 weights (where the CPU has bf16 units), prepacked oneDNN
-    matrices, weight-only int8 in the batch-1 and batch-2 tail, attention over only the slots a
+    matrices, weight-only int8 in the small-batch tail, attention over only the slots a
     scattered decode group holds, torch's thread count (decode steps of the real engine), fused
     QKV and gate/up projections, one batched attention call against a loop over sequences, the
-    C++ decode attention kernel against SDPA."""
+    C++ decode attention kernel against SDPA, the per-layer C++ kernels against torch's operators."""
     import replica.attention as attention
     from replica.attention import AttentionMetadata, build_group, slot_attention
     from replica.linear import Linear
@@ -235,7 +262,7 @@ def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
             torch.set_num_threads(threads)
         runner.model = packed
         _drain(engine)
-    for batch in (1, 2, 4):
+    for batch in (1, 4, 8, 16):
         engine = _decode_engine(runner, batch, steps)
         t = in_turns({"dense": _with(use(packed), engine.step), "int8": _with(use(int8), engine.step)}, reps)
         rows.append(
@@ -244,6 +271,7 @@ def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
         runner.model = packed
         _drain(engine)
     rows += decode_kernel(runner, reps, steps)
+    rows += fused_kernels(runner, reps, steps)
     spread = attention.GATHER_SPREAD
     attention.USE_DECODE_KERNEL = False  # the rows below measure SDPA's layouts; the kernel needs none
     for batch in (4, 16):
@@ -440,10 +468,10 @@ def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], ar
         "Each measured against its absence in the same run, in turns (median of several; `optimisations()` in "
         '`benchmarks/hardware.py`). In the default engine: bf16 weights where `dtype="auto"` picks them (a '
         "CPU with AVX512_BF16 or AMX), prepacked matrices, attention over held slots only, fused projections, "
-        "batched attention, the C++ decode attention kernel, all threads. Weight-only int8 is opt-in "
-        "(`EngineConfig(int8_rows=N)`, "
-        "`slotserve bench --int8-rows N`): it changes outputs (the bench reports its greedy agreement) and "
-        "pays only where a step reads its weights for one or two rows.",
+        "batched attention, the C++ decode attention kernel, the per-layer C++ kernels, all threads. "
+        "Weight-only int8 is opt-in (`EngineConfig(int8_rows=N)`, `slotserve bench --int8-rows N`): it "
+        "changes outputs (the bench reports its greedy agreement) and pays where a step reads its "
+        "weights for few rows (the table says up to which batch).",
         "",
         "| optimisation | without ms | with ms | speedup |",
         "|---|---:|---:|---:|",

@@ -28,7 +28,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="also run bf16 with weight-only int8 for steps of at most N rows (default 1; 0: not run)",
+        help="also run with weight-only int8 copies for steps of at most N rows, on the dtype `auto` "
+        "picks here (default 1; 0: not run)",
     )
     b.add_argument("--requests", type=int, default=48, help="saturated requests (default 48, the standard workload)")
     b.add_argument("--slots", type=int, nargs="+", default=[16, 32, 64], help="slot counts (default 16 32 64)")

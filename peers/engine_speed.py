@@ -8,8 +8,8 @@ FLOP/s in fp32 and bf16, memory bandwidth; ~10 s): every "% of roofline" is agai
 
 Systems, each in a fresh process (so its peak memory is its own):
 - slotserve's engine, each policy at each slot count and each dtype (fp32, and bf16 where the
-  machine has bf16 matrix units or a GPU; with `--int8-rows N` also bf16 with int8 weights for
-  steps of at most N rows);
+  machine has bf16 matrix units or a GPU; with `--int8-rows N` also `auto`'s dtype with int8
+  weights for steps of at most N rows);
 - vLLM's CPU engine (`make peers`), thread binding `auto` and all cores, each at bf16 and fp32;
 - transformers' static `generate()` in batches of 8 (left padding, each batch runs to its
   longest request; its useful tokens are the requests' own lengths);
@@ -345,14 +345,17 @@ def plan(args: argparse.Namespace) -> list[Job]:
     jobs = []
     for dtype in args.dtypes:
         jobs += [Job("engine", dtype=dtype, policy=p, slots=s, **common) for p in args.policies for s in args.slots]
-    if args.int8_rows:  # at the most slots only: int8 pays in the small-batch tail, which every slot count shares
+    # int8 copies of the weights `auto` picks here (bf16 or fp32), at the most slots only: int8 pays
+    # in the small-batch tail, which every slot count shares
+    int8_dtype = default_dtypes(pick_device(args.device))[-1]
+    if args.int8_rows:
         jobs += [
-            Job("engine", dtype="bfloat16", policy=p, slots=max(args.slots), int8_rows=args.int8_rows, **common)
+            Job("engine", dtype=int8_dtype, policy=p, slots=max(args.slots), int8_rows=args.int8_rows, **common)
             for p in args.policies
         ]
     jobs += [Job("decode1", dtype=d, **common) for d in args.dtypes]
     if args.int8_rows:
-        jobs += [Job("decode1", dtype="bfloat16", int8_rows=args.int8_rows, **common)]
+        jobs += [Job("decode1", dtype=int8_dtype, int8_rows=args.int8_rows, **common)]
     if args.vllm and pick_device(args.device) == "cpu":  # vLLM's CPU build is the peer of a CPU run only
         jobs += [
             Job("vllm", dtype=d, binding=b, slots=max(args.slots), **common)

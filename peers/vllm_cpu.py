@@ -22,9 +22,11 @@ VENV = ROOT / ".venv-peers"
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
 TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4")
 BINDINGS = ("auto", "all")  # "all": every core of this machine, e.g. 0-1 on two cores
-# The share of the machine's memory vLLM's CPU backend reserves for weights and K/V (its default,
-# 0.92, refuses to start when other processes hold memory); 64 sequences of 320 tokens need ~0.5 GB.
-MEMORY_SHARE = 0.15
+# vLLM's K/V cache, set explicitly (`kv_cache_memory_bytes`): its CPU backend otherwise reserves
+# a share of the NUMA node's memory for weights and K/V together, and at fp32 a share small enough
+# to start beside other processes left nothing for K/V. 64 sequences of 320 tokens of SmolLM2-135M
+# take 0.94 GB in fp32.
+KV_CACHE_BYTES = 2 << 30
 TIMEOUT_S = 1800  # vLLM compiles its model with inductor at start-up: minutes on two cores
 
 
@@ -80,7 +82,7 @@ def run_vllm(
         "dtype": settings.dtype,
         "max_model_len": max_model_len,
         "max_num_seqs": max_num_seqs,
-        "memory_share": MEMORY_SHARE,
+        "kv_cache_bytes": KV_CACHE_BYTES,
         "prompts": prompts,
         "max_tokens": max_tokens,
         "decode_prompt": decode_prompt,

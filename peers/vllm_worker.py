@@ -32,8 +32,7 @@ def _llm(job: dict):
         max_num_seqs=job["max_num_seqs"],
         seed=0,
         disable_log_stats=True,
-        # On the CPU backend this is the share of the node's memory vLLM reserves (weights + K/V).
-        gpu_memory_utilization=job["memory_share"],
+        kv_cache_memory_bytes=job["kv_cache_bytes"],
     )
 
 

@@ -9,22 +9,17 @@ padding to the longest row, no mask), reads each key and value once for all the 
 that share it, and runs rows and K/V heads in parallel on torch's threads. It accumulates in
 fp32 for fp32 and bf16 caches alike.
 
-The build (about 40 s, cached under torch's extension directory, keyed by the source and the
-CPU's flags) needs a C++ compiler and ninja; `make setup` runs it. Where it cannot be built, or
-off the CPU, `available()` is False and attention keeps to SDPA.
+Built by `replica.cpp_extension` (once per CPU kind; `make setup` runs it). Where it cannot be
+built, or off the CPU, `available()` is False and attention keeps to SDPA.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
 
 import torch
 
-from replica.cpu import cpu_info
-
-log = logging.getLogger(__name__)
+from replica.cpp_extension import build
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -143,22 +138,8 @@ void decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor rows,
 
 @functools.cache
 def _module():
-    """The built extension, or None where it cannot be built here (the reason is logged once)."""
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        # -march=native code: one build per CPU kind, should the cache directory be shared.
-        flags = hashlib.sha1(" ".join(sorted(cpu_info().flags)).encode()).hexdigest()[:8]
-        return load_inline(
-            name=f"slotserve_decode_attention_{flags}",
-            cpp_sources=_SOURCE,
-            functions=["decode_attention"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-            extra_ldflags=["-fopenmp"],
-        )
-    except Exception as err:  # noqa: BLE001 - no compiler or headers: attention keeps to SDPA
-        log.warning("decode attention kernel not built (%s: %s); using scaled_dot_product_attention", type(err), err)
-        return None
+    """The built extension, or None where it cannot be built here."""
+    return build("decode_attention", _SOURCE, ["decode_attention"])
 
 
 def available(device: torch.device | str) -> bool:

@@ -8,15 +8,18 @@ is the kernel torch.compile's CPU freezing pass picks, without the compile. oneD
 weights on any x86 CPU and bf16 weights where the CPU has AVX-512 (with AVX512_BF16 or AMX it
 uses them natively). On a GPU, or where oneDNN cannot pack, the plain F.linear is used.
 
-A step with few rows is bound by reading the weights, not by arithmetic, so reading half the
-bytes (int8 with one scale per output row, `aten._weight_int8pack_mm`) can make it faster; a
-Linear built with `int8_rows=N` keeps such a copy and uses it for steps of at most N rows.
+A step with few rows is bound by reading the weights, not by arithmetic, so reading a quarter of
+fp32's bytes (int8 with one scale per output row) can make it faster; a Linear built with
+`int8_rows=N` keeps such a copy and uses it for steps of at most N rows, through
+`replica.int8_matmul`'s kernel where it is built (`aten._weight_int8pack_mm` otherwise).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from replica import int8_matmul
 
 # The row count oneDNN tunes the packed layout for: a full decode batch of the default config.
 PACK_ROWS_HINT = 64
@@ -56,10 +59,19 @@ class Linear:
         # The packed copy replaces the plain one (a shared tensor, like a tied embedding, stays alive elsewhere).
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT) if self.packed else weight
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T + b, plus `residual` where given (on a packed weight oneDNN adds it in the
+        product's own pass: the layer's residual adds cost no pass of their own)."""
         if self.int8 is not None and x.shape[0] <= self.int8_rows:
+            if int8_matmul.available(x.device):
+                return int8_matmul.int8_linear(x, *self.int8, self.bias, residual)
             y = torch.ops.aten._weight_int8pack_mm(x, *self.int8)
-            return y if self.bias is None else y + self.bias
-        if self.packed:
+            if self.bias is not None:
+                y += self.bias
+        elif self.packed and residual is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
+        elif self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if residual is None else y.add_(residual)

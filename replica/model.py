@@ -13,12 +13,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from replica import fused_ops
 from replica.attention import AttentionMetadata, PagedAttentionMetadata, paged_attention, slot_attention
 from replica.kv_cache import PagedKVCache, SlotKVCache
 from replica.linear import Linear
 
 # The weight matrices of a layer (and the LM head) that go through Linear.
 _MATRICES = ("qkv", "o", "gate_up", "up", "down", "lm_head")
+
+# The per-layer C++ kernels where they are built (a switch so benchmarks can measure without them).
+USE_FUSED_OPS = True
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,8 @@ class Decoder:
         matrices = [k for k in state if k.rsplit(".", 1)[-1] in _MATRICES]
         self.linear = {k: Linear(state[k], state.get(k + "_bias"), pack_weights, int8_rows) for k in matrices}
         self.w = {k: v for k, v in state.items() if k not in matrices}
+        # RMSNorm, RoPE with the cache write, and SiLU-times-up as C++ kernels where they are built (CPU)
+        self.fused = USE_FUSED_OPS and fused_ops.available(state["embed"].device)
         if shape.family == "llama":
             device = state["embed"].device
             inv_freq = 1.0 / shape.rope_theta ** (
@@ -122,12 +128,43 @@ class Decoder:
             return F.layer_norm(
                 x, (x.shape[-1],), self.w[prefix + ".weight"], self.w[prefix + ".bias"], self.shape.norm_eps
             )
+        if self.fused:
+            return fused_ops.rms_norm(x, self.w[prefix + ".weight"], self.shape.norm_eps)
         return F.rms_norm(x, (x.shape[-1],), self.w[prefix + ".weight"], self.shape.norm_eps)
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim], gathered once per step."""
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+    def _rope_and_write(
+        self,
+        layer: int,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata | PagedAttentionMetadata,
+        cache: SlotKVCache | PagedKVCache,
+    ) -> torch.Tensor:
+        """Rotates Q and K (LLaMA), writes K and V to the cache, returns Q as [T, heads, head_dim]."""
+        s = self.shape
+        paged = isinstance(meta, PagedAttentionMetadata)
+        # where each row's K/V goes: (slot, position) in the slot cache, (block, offset) in the paged one
+        rows, cols = (meta.block_ids, meta.block_offsets) if paged else (meta.slot_ids, positions)
+        num_q, num_kv, d = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.head_dim
+        if self.fused:
+            tables = (self.rope_cos, self.rope_sin) if s.family == "llama" else (None, None)
+            fused_ops.rope_write(qkv, positions, *tables, cache.k[layer], cache.v[layer], rows, cols, s.num_heads)
+            return qkv[:, :num_q].view(-1, s.num_heads, d)
+        v = qkv[:, num_q + num_kv :].view(-1, s.num_kv_heads, d)
+        if s.family == "llama":  # Q and K rotated together: one pass over both
+            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+            qk = self._rope(qkv[:, : num_q + num_kv].view(-1, s.num_heads + s.num_kv_heads, d), cos, sin)
+            q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
+        else:
+            q = qkv[:, :num_q].view(-1, s.num_heads, d)
+            k = qkv[:, num_q : num_q + num_kv].view(-1, s.num_kv_heads, d)
+        cache.write(layer, rows, cols, k, v)
+        return q
 
     @torch.inference_mode()
     def forward(
@@ -142,34 +179,23 @@ class Decoder:
         x = w["embed"][input_ids]
         if s.family == "gpt2":
             x = x + w["pos_embed"][positions]
-        num_q, num_kv, d = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.head_dim
-        if s.family == "llama":
-            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         for i in range(s.num_layers):
             p = f"layers.{i}"
-            h = self._norm(x, p + ".attn_norm")
-            qkv = linear[p + ".qkv"](h)
-            v = qkv[:, num_q + num_kv :].view(-1, s.num_kv_heads, d)
-            if s.family == "llama":  # Q and K rotated together: one pass over both
-                qk = self._rope(qkv[:, : num_q + num_kv].view(-1, s.num_heads + s.num_kv_heads, d), cos, sin)
-                q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
-            else:
-                q = qkv[:, :num_q].view(-1, s.num_heads, d)
-                k = qkv[:, num_q : num_q + num_kv].view(-1, s.num_kv_heads, d)
-            if isinstance(meta, PagedAttentionMetadata):  # paged cache: write at (block, offset), read via block tables
-                cache.write(i, meta.block_ids, meta.block_offsets, k, v)
+            q = self._rope_and_write(i, linear[p + ".qkv"](self._norm(x, p + ".attn_norm")), positions, meta, cache)
+            if isinstance(meta, PagedAttentionMetadata):  # paged cache: read via block tables
                 attn = paged_attention(q, cache.k[i], cache.v[i], meta)
             else:
-                cache.write(i, meta.slot_ids, positions, k, v)
                 attn = slot_attention(q, cache.k[i], cache.v[i], meta)
-            x = x + linear[p + ".o"](attn)
+            x = linear[p + ".o"](attn, residual=x)
             h = self._norm(x, p + ".mlp_norm")
             if s.family == "gpt2":
                 h = F.gelu(linear[p + ".up"](h), approximate="tanh")
+            elif self.fused:
+                h = fused_ops.silu_mul(linear[p + ".gate_up"](h))
             else:
                 gate, up = linear[p + ".gate_up"](h).chunk(2, dim=-1)
                 h = F.silu(gate) * up
-            x = x + linear[p + ".down"](h)
+            x = linear[p + ".down"](h, residual=x)
         x = self._norm(x[logit_rows], "final_norm")
         return linear["lm_head"](x).float()
 

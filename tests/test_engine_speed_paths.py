@@ -118,6 +118,85 @@ def test_decode_kernel_equals_sdpa(monkeypatch, dtype, head_dim):
         decode_attention.decode_attention(q, k, v, rows, torch.tensor([0]), torch.tensor([41]), out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rope", [True, False])
+def test_fused_rope_write_and_silu_mul_equal_torch(dtype, rope):
+    """rope_write rotates Q and K in place exactly as the torch path does (or leaves them, GPT-2)
+    and puts each row's K and V at its (cache row, column), touching nothing else; silu_mul is
+    SiLU(gate) * up; a cache row or column past the cache is refused, not written."""
+    from replica import fused_ops
+    from replica.model import Decoder
+
+    if not shutil.which("c++"):
+        pytest.skip("no C++ compiler: the kernels are not built and torch's operators serve")
+    assert fused_ops.available("cpu")
+    torch.manual_seed(0)
+    heads, kv_heads, d, rows_n = 9, 3, 64, 5
+    qkv = torch.randn(rows_n, (heads + 2 * kv_heads) * d).to(dtype)
+    positions = torch.tensor([3, 0, 17, 4, 9])
+    angles = torch.randn(32, d)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    k_cache, v_cache = torch.zeros(8, kv_heads, 20, d, dtype=dtype), torch.zeros(8, kv_heads, 20, d, dtype=dtype)
+    rows, cols = torch.tensor([7, 0, 3, 3, 5]), torch.tensor([3, 0, 17, 4, 9])
+    ref = qkv.clone()
+    if rope:
+        qk = ref[:, : (heads + kv_heads) * d].view(rows_n, heads + kv_heads, d)
+        qk.copy_(Decoder._rope(qk.float(), cos[positions].unsqueeze(1).float(), sin[positions].unsqueeze(1).float()))
+    fused_ops.rope_write(qkv, positions, *((cos, sin) if rope else (None, None)), k_cache, v_cache, rows, cols, heads)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(qkv, ref, rtol=tol, atol=tol)
+    k = ref[:, heads * d : (heads + kv_heads) * d].view(rows_n, kv_heads, d)
+    v = ref[:, (heads + kv_heads) * d :].view(rows_n, kv_heads, d)
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    want_k[rows, :, cols], want_v[rows, :, cols] = k, v
+    torch.testing.assert_close(k_cache, want_k, rtol=tol, atol=tol)
+    assert torch.equal(v_cache, want_v)
+    with pytest.raises(RuntimeError, match="cache row 8 out of range"):
+        fused_ops.rope_write(qkv, positions, cos, sin, k_cache, v_cache, torch.tensor([8, 0, 0, 0, 0]), cols, heads)
+    with pytest.raises(RuntimeError, match="cache column 20 out of range"):
+        fused_ops.rope_write(qkv, positions, cos, sin, k_cache, v_cache, rows, torch.tensor([20, 0, 0, 0, 0]), heads)
+    gate_up = torch.randn(rows_n, 2 * 48).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    torch.testing.assert_close(fused_ops.silu_mul(gate_up).float(), F.silu(gate) * up, rtol=tol, atol=tol)
+    x, weight = torch.randn(rows_n, 576).to(dtype), torch.rand(576).to(dtype)
+    want = F.rms_norm(x.float(), (576,), weight.float(), 1e-5)
+    torch.testing.assert_close(fused_ops.rms_norm(x, weight, 1e-5).float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 11])
+def test_int8_kernel_equals_the_dequantized_product(dtype, rows):
+    """The int8 kernel computes x (q * scale)^T + bias + residual for any row count (blocks of 8
+    rows and their remainder) and a K that is not a multiple of its 32-value stride; a shape
+    mismatch is refused by name."""
+    from replica import int8_matmul
+    from replica.linear import quantize_int8
+
+    if not shutil.which("c++"):
+        pytest.skip("no C++ compiler: the kernel is not built and aten._weight_int8pack_mm serves")
+    assert int8_matmul.available("cpu")
+    torch.manual_seed(0)
+    w, bias = torch.randn(70, 100) * 0.05, torch.randn(70)
+    x, residual = torch.randn(rows, 100).to(dtype), torch.randn(rows, 70).to(dtype)
+    q, scales = quantize_int8(w)
+    want = x.float() @ (q.float() * scales[:, None]).T + bias + residual.float()
+    got = int8_matmul.int8_linear(x, q, scales, bias, residual)
+    assert got.dtype == dtype and got.shape == (rows, 70)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    with pytest.raises(RuntimeError, match="x \\[M, K\\] against q \\[N, K\\]"):
+        int8_matmul.int8_linear(x[:, :99], q, scales)
+
+
+def test_linear_adds_the_residual_on_every_path():
+    """Linear(x, residual=r) is x W^T + b + r packed, plain, int8 and with a bias."""
+    torch.manual_seed(0)
+    w, b, x, r = torch.randn(40, 24), torch.randn(40), torch.randn(3, 24), torch.randn(3, 40)
+    for lin in (Linear(w, b), Linear(w), Linear(w, b, pack=False), Linear(w, b, int8_rows=4)):
+        plain = lin(x)
+        torch.testing.assert_close(lin(x, residual=r), plain + r, rtol=1e-5, atol=1e-5)
+
+
 def test_greedy_agreement_counts_identical_requests():
     """bf16 is compared with fp32 at the same policy and slots; vLLM with the largest fp32 run."""
     fp32 = BenchRow("slotserve", "chunked", 64, 1.0, 0.0, outputs=[[1, 2], [3, 4], [5]])
@@ -159,8 +238,9 @@ def test_default_model_dir_loads_with_tied_embeddings_saved_the_standard_way():
 
 @pytest.mark.slow
 def test_bf16_and_int8_greedy_outputs_agree_with_fp32():
-    """The real model on a few prompts, 16 greedy tokens each: bf16 (prepacked) and bf16 with int8
-    weights at batch 1 mostly reproduce fp32; where they part, it is after the first tokens."""
+    """The real model on a few prompts, 16 greedy tokens each: bf16 (prepacked), and bf16 or fp32
+    activations with int8 weights at batch 1, mostly reproduce fp32; where they part, it is after
+    the first tokens."""
     from replica.engine import Engine
 
     prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Once upon a time", "Hello, my name"]
@@ -171,7 +251,7 @@ def test_bf16_and_int8_greedy_outputs_agree_with_fp32():
         return [engine.generate([p], params)[0].token_ids for p in prompts]
 
     fp32 = outputs(dtype="float32")
-    for config in ({"dtype": "bfloat16"}, {"dtype": "bfloat16", "int8_rows": 1}):
+    for config in ({"dtype": "bfloat16"}, {"dtype": "bfloat16", "int8_rows": 1}, {"dtype": "float32", "int8_rows": 1}):
         got = outputs(**config)
         same = sum(a == b for a, b in zip(got, fp32))
         print(f"{config}: {same}/{len(prompts)} identical to fp32")

@@ -1,0 +1,37 @@
+"""Builds a small C++ extension once with torch's extension tools, or says why it cannot.
+
+Why here: the CPU kernels (`decode_attention`, `fused_ops`) are each a page of C++ compiled for
+this CPU (`-march=native`); the build (about 40 s each, cached under torch's extension
+directory) needs a C++ compiler and ninja, which `make setup` checks. Where a build fails the
+engine keeps to torch's own operators, so a machine without a compiler still serves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from types import ModuleType
+
+from replica.cpu import cpu_info
+
+log = logging.getLogger(__name__)
+
+
+def build(name: str, source: str, functions: list[str]) -> ModuleType | None:
+    """The built module, or None where it cannot be built here (the reason is logged once per
+    caller, which caches the answer). The name carries a hash of the CPU's flags: `-march=native`
+    code is one build per CPU kind, should the cache directory be shared."""
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        flags = hashlib.sha1(" ".join(sorted(cpu_info().flags)).encode()).hexdigest()[:8]
+        return load_inline(
+            name=f"slotserve_{name}_{flags}",
+            cpp_sources=source,
+            functions=functions,
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as err:  # noqa: BLE001 - no compiler or headers: callers keep to torch's operators
+        log.warning("C++ extension %s not built (%s: %s); using torch's operators", name, type(err).__name__, err)
+        return None
