@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -78,6 +78,16 @@ class Roofline:
     def memory_tokens_per_s(self, params_per_token: int, dtype: str) -> float:
         """Batch-1 decode tokens/s if a step only had to read its weights once."""
         return self.read_bytes_per_s / (BYTES[dtype] * params_per_token)
+
+    def best(self, other: Roofline) -> Roofline:
+        """Each roof the higher of two probes of this machine (a roof is the most it gave)."""
+        return replace(
+            self,
+            fp32_flops=max(self.fp32_flops, other.fp32_flops),
+            bf16_flops=max(self.bf16_flops, other.bf16_flops),
+            copy_bytes_per_s=max(self.copy_bytes_per_s, other.copy_bytes_per_s),
+            read_bytes_per_s=max(self.read_bytes_per_s, other.read_bytes_per_s),
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -257,3 +257,14 @@ def test_bf16_and_int8_greedy_outputs_agree_with_fp32():
         print(f"{config}: {same}/{len(prompts)} identical to fp32")
         assert same >= len(prompts) // 2, (config, got, fp32)
         assert all(a[:2] == b[:2] for a, b in zip(got, fp32)), (config, got, fp32)
+
+
+def test_roofs_keep_the_higher_of_two_probes():
+    """A probe slowed by a neighbour lowers no roof: each figure is the higher of the two."""
+    from peers.roofline import Roofline
+
+    start = Roofline("AMD EPYC", "avx2 fma", 2, 101e9, 1e9, 25e9, 27e9)
+    end = Roofline("AMD EPYC", "avx2 fma", 2, 176e9, 0.9e9, 30e9, 26e9)
+    best = start.best(end)
+    assert (best.fp32_flops, best.bf16_flops, best.copy_bytes_per_s, best.read_bytes_per_s) == (176e9, 1e9, 30e9, 27e9)
+    assert best.compute_tokens_per_s(134_500_000, "float32") == 176e9 / (2 * 134_500_000)
