@@ -448,7 +448,9 @@ def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], ar
         "which reads each row's own slot up to its own position; prefill chunks (and decode rows where the kernel "
         "is not built) through one `scaled_dot_product_attention` call up to the group's longest live position "
         "(over the slot range, or, where the group's slots are scattered, over those slots only): no per-sequence "
-        "Python loop remains in the forward pass. Where a decode step's time goes (torch.profiler, self CPU time):",
+        "Python loop remains in the forward pass. Where a decode step's time goes (torch.profiler, self CPU time; "
+        "the C++ kernels are not torch operators, so the profiler does not see them and the shares below are of "
+        "the time it sees):",
         "",
     ]
     for r in rows:
@@ -493,10 +495,12 @@ def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], ar
         "what fusion saved); the whole decode forward as one graph ran B=4 steps 1.38x and B=64 steps 1.20x "
         "faster but took 176 s to compile cold on these two cores and 35 s to start with inductor's cache "
         "warm, plus one more graph for batch 1: too slow a start for the default engine, not built in. A "
-        "decode attention written for inductor ran 0.9-1.15x SDPA (the C++ kernel replaced it). Residual adds"
-        " fused into the packed products' epilogue (`_linear_pointwise.binary`): 2-5% per product, within the"
-        " noise per decode step (0.98x at B=1, 1.03x at B=64), not kept. Not tried: thread pinning (torch's "
-        "OpenMP threads already run one per core).",
+        "decode attention written for inductor ran 0.9-1.15x SDPA (the C++ kernel replaced it); the per-layer "
+        "C++ kernels above do its fusion without a compile. Residual adds fused into the packed products' "
+        "epilogue (`_linear_pointwise.binary`): 2-5% per product and within the noise per decode step when "
+        "measured alone (0.98x at B=1, 1.03x at B=64, AVX-512 machine); in since the per-layer kernels, as "
+        "part of taking the small operators off the step (not measured apart on this machine). Not tried: "
+        "thread pinning (torch's OpenMP threads already run one per core).",
     ]
     return "\n".join(lines) + "\n"
 
