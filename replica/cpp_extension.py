@@ -8,9 +8,12 @@ engine keeps to torch's own operators, so a machine without a compiler still ser
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from types import ModuleType
+
+import torch
 
 from replica.cpu import cpu_info
 
@@ -18,9 +21,9 @@ log = logging.getLogger(__name__)
 
 
 def build(name: str, source: str, functions: list[str]) -> ModuleType | None:
-    """The built module, or None where it cannot be built here (the reason is logged once per
-    caller, which caches the answer). The name carries a hash of the CPU's flags: `-march=native`
-    code is one build per CPU kind, should the cache directory be shared."""
+    """The built module, or None where it cannot be built here (the reason is logged). The name
+    carries a hash of the CPU's flags: `-march=native` code is one build per CPU kind, should the
+    cache directory be shared."""
     try:
         from torch.utils.cpp_extension import load_inline
 
@@ -35,3 +38,18 @@ def build(name: str, source: str, functions: list[str]) -> ModuleType | None:
     except Exception as err:  # noqa: BLE001 - no compiler or headers: callers keep to torch's operators
         log.warning("C++ extension %s not built (%s: %s); using torch's operators", name, type(err).__name__, err)
         return None
+
+
+class CpuExtension:
+    """One C++ extension of CPU kernels, built on first use (once per process)."""
+
+    def __init__(self, name: str, source: str, functions: list[str]):
+        self.name, self.source, self.functions = name, source, functions
+
+    @functools.cached_property
+    def module(self) -> ModuleType | None:
+        return build(self.name, self.source, self.functions)
+
+    def available(self, device: torch.device | str) -> bool:
+        """Built here, and `device` is the CPU (the kernels run on CPU tensors only)."""
+        return torch.device(device).type == "cpu" and self.module is not None

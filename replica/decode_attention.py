@@ -15,11 +15,9 @@ built, or off the CPU, `available()` is False and attention keeps to SDPA.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from replica.cpp_extension import build
+from replica.cpp_extension import CpuExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -136,14 +134,11 @@ void decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor rows,
 """
 
 
-@functools.cache
-def _module():
-    """The built extension, or None where it cannot be built here."""
-    return build("decode_attention", _SOURCE, ["decode_attention"])
+_EXTENSION = CpuExtension("decode_attention", _SOURCE, ["decode_attention"])
 
 
 def available(device: torch.device | str) -> bool:
-    return torch.device(device).type == "cpu" and _module() is not None
+    return _EXTENSION.available(device)
 
 
 def decode_attention(
@@ -157,4 +152,4 @@ def decode_attention(
 ) -> None:
     """For each i: out[rows[i]] = attention of q[rows[i]] ([heads, head_dim]) over the first
     lengths[i] keys and values of cache row slots[i] ([rows, kv_heads, cols, head_dim])."""
-    _module().decode_attention(q, k_cache, v_cache, rows, slots, lengths, q.shape[-1] ** -0.5, out)
+    _EXTENSION.module.decode_attention(q, k_cache, v_cache, rows, slots, lengths, q.shape[-1] ** -0.5, out)

@@ -19,11 +19,9 @@ False and the model keeps to torch's operators.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from replica.cpp_extension import build
+from replica.cpp_extension import CpuExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -166,14 +164,11 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
 """
 
 
-@functools.cache
-def _module():
-    """The built extension, or None where it cannot be built here."""
-    return build("fused_ops", _SOURCE, ["rope_write", "silu_mul", "rms_norm"])
+_EXTENSION = CpuExtension("fused_ops", _SOURCE, ["rope_write", "silu_mul", "rms_norm"])
 
 
 def available(device: torch.device | str) -> bool:
-    return torch.device(device).type == "cpu" and _module() is not None
+    return _EXTENSION.available(device)
 
 
 def rope_write(
@@ -190,14 +185,14 @@ def rope_write(
     """qkv: [T, (heads + 2 kv_heads) * head_dim], rotated in place at `positions` (cos, sin:
     [max_positions, head_dim] tables; None: no rotation); K and V of row t go to
     k_cache/v_cache[rows[t], :, cols[t]] ([cache rows, kv_heads, cols, head_dim])."""
-    _module().rope_write(qkv, positions, cos, sin, k_cache, v_cache, rows, cols, num_heads)
+    _EXTENSION.module.rope_write(qkv, positions, cos, sin, k_cache, v_cache, rows, cols, num_heads)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I]: SiLU of the first half times the second."""
-    return _module().silu_mul(gate_up)
+    return _EXTENSION.module.silu_mul(gate_up)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """[T, H] -> [T, H]: each row over its root mean square, times `weight`."""
-    return _module().rms_norm(x, weight, eps)
+    return _EXTENSION.module.rms_norm(x, weight, eps)

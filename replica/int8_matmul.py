@@ -15,11 +15,9 @@ False and `Linear` keeps to torch's operators.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from replica.cpp_extension import build
+from replica.cpp_extension import CpuExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -112,14 +110,11 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor scales, c10::optio
 """
 
 
-@functools.cache
-def _module():
-    """The built extension, or None where it cannot be built here."""
-    return build("int8_matmul", _SOURCE, ["int8_linear"])
+_EXTENSION = CpuExtension("int8_matmul", _SOURCE, ["int8_linear"])
 
 
 def available(device: torch.device | str) -> bool:
-    return torch.device(device).type == "cpu" and _module() is not None
+    return _EXTENSION.available(device)
 
 
 def int8_linear(
@@ -131,4 +126,4 @@ def int8_linear(
 ) -> torch.Tensor:
     """x [M, K] (fp32 or bf16) times int8 q [N, K] scaled per row by `scales`, plus `bias` and
     `residual` where given: [M, N] in x's dtype."""
-    return _module().int8_linear(x, q, scales, bias, residual)
+    return _EXTENSION.module.int8_linear(x, q, scales, bias, residual)
