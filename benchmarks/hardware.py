@@ -149,59 +149,48 @@ def _drain(engine: Engine) -> None:
         engine.step()
 
 
-def decode_kernel(runner: ModelRunner, reps: int, steps: int) -> list[dict]:
-    """Decode steps with the C++ decode attention kernel against SDPA, for a contiguous and a
-    scattered group."""
-    import replica.attention as attention
-
+def switched(runner: ModelRunner, reps: int, steps: int, what: str, switch, cases) -> list[dict]:
+    """Decode steps with one switch off ("without") and on ("with"), in turns, for each (batch,
+    scattered) case; the switch is left on."""
     rows = []
-    for batch, scattered in ((8, False), (64, False), (16, True)):
+    for batch, scattered in cases:
         engine = _decode_engine(runner, batch, steps, scattered=scattered)
-        t = in_turns(
-            {
-                "sdpa": _with(lambda: setattr(attention, "USE_DECODE_KERNEL", False), engine.step),
-                "kernel": _with(lambda: setattr(attention, "USE_DECODE_KERNEL", True), engine.step),
-            },
-            reps,
-        )
-        where = f"B={batch} in 64 slots" if scattered else f"B={batch}"
-        rows.append(
-            {
-                "what": f"C++ decode attention kernel instead of SDPA (decode step, {where})",
-                "without": t["sdpa"],
-                "with": t["kernel"],
-            }
-        )
-        attention.USE_DECODE_KERNEL = True
+        variants = {"off": _with(lambda: switch(False), engine.step), "on": _with(lambda: switch(True), engine.step)}
+        t = in_turns(variants, reps)
+        where = f"B={batch} in {runner.cache.num_slots} slots" if scattered else f"B={batch}"
+        rows.append({"what": f"{what} (decode step, {where})", "without": t["off"], "with": t["on"]})
+        switch(True)
         _drain(engine)
     return rows
+
+
+def decode_kernel(runner: ModelRunner, reps: int, steps: int) -> list[dict]:
+    """The C++ decode attention kernel against SDPA, for contiguous and scattered groups."""
+    import replica.attention as attention
+
+    return switched(
+        runner,
+        reps,
+        steps,
+        "C++ decode attention kernel instead of SDPA",
+        lambda on: setattr(attention, "USE_DECODE_KERNEL", on),
+        ((8, False), (64, False), (16, True)),
+    )
 
 
 def fused_kernels(runner: ModelRunner, reps: int, steps: int) -> list[dict]:
-    """Decode steps with the per-layer C++ kernels (RMSNorm, RoPE with the cache write, SiLU times
-    up; `replica.fused_ops`) against torch's operators."""
+    """The per-layer C++ kernels (RMSNorm, RoPE with the cache write, SiLU times up;
+    `replica.fused_ops`) against torch's operators; none where they are not built here."""
     if not runner.model.fused:
-        return []  # not built here: nothing to measure against
-    rows = []
-    for batch in (1, 8, 64):
-        engine = _decode_engine(runner, batch, steps)
-        t = in_turns(
-            {
-                "torch": _with(lambda: setattr(runner.model, "fused", False), engine.step),
-                "fused": _with(lambda: setattr(runner.model, "fused", True), engine.step),
-            },
-            reps,
-        )
-        rows.append(
-            {
-                "what": f"per-layer C++ kernels instead of torch's operators (decode step, B={batch})",
-                "without": t["torch"],
-                "with": t["fused"],
-            }
-        )
-        runner.model.fused = True
-        _drain(engine)
-    return rows
+        return []
+    return switched(
+        runner,
+        reps,
+        steps,
+        "per-layer C++ kernels instead of torch's operators",
+        lambda on: setattr(runner.model, "fused", on),
+        ((1, False), (8, False), (64, False)),
+    )
 
 
 def optimisations(runner: ModelRunner, reps: int) -> list[dict]:

@@ -340,6 +340,7 @@ def default_dtypes(device: str) -> list[str]:
 
 
 def plan(args: argparse.Namespace) -> list[Job]:
+    from replica.config import resolve_dtype
     from replica.model_runner import pick_device
 
     common = {"model": args.model, "device": args.device, "num_requests": args.requests}
@@ -348,7 +349,7 @@ def plan(args: argparse.Namespace) -> list[Job]:
         jobs += [Job("engine", dtype=dtype, policy=p, slots=s, **common) for p in args.policies for s in args.slots]
     # int8 copies of the weights `auto` picks here (bf16 or fp32), at the most slots only: int8 pays
     # in the small-batch tail, which every slot count shares
-    int8_dtype = default_dtypes(pick_device(args.device))[-1]
+    int8_dtype = resolve_dtype("auto", pick_device(args.device))
     if args.int8_rows:
         jobs += [
             Job("engine", dtype=int8_dtype, policy=p, slots=max(args.slots), int8_rows=args.int8_rows, **common)

@@ -55,6 +55,7 @@ class Linear:
         self.bias = bias
         self.int8_rows = int8_rows if can_int8(weight) else 0
         self.int8 = quantize_int8(weight) if self.int8_rows else None
+        self.int8_kernel = self.int8 is not None and int8_matmul.available(weight.device)
         self.packed = pack and can_pack(weight)
         # The packed copy replaces the plain one (a shared tensor, like a tied embedding, stays alive elsewhere).
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT) if self.packed else weight
@@ -63,7 +64,7 @@ class Linear:
         """x W^T + b, plus `residual` where given (on a packed weight oneDNN adds it in the
         product's own pass: the layer's residual adds cost no pass of their own)."""
         if self.int8 is not None and x.shape[0] <= self.int8_rows:
-            if int8_matmul.available(x.device):
+            if self.int8_kernel:
                 return int8_matmul.int8_linear(x, *self.int8, self.bias, residual)
             y = torch.ops.aten._weight_int8pack_mm(x, *self.int8)
             if self.bias is not None:

@@ -142,23 +142,23 @@ class Decoder:
         layer: int,
         qkv: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata | PagedAttentionMetadata,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
         cache: SlotKVCache | PagedKVCache,
+        rows: torch.Tensor,
+        cols: torch.Tensor,
     ) -> torch.Tensor:
-        """Rotates Q and K (LLaMA), writes K and V to the cache, returns Q as [T, heads, head_dim]."""
+        """Rotates Q and K (LLaMA), writes row t's K and V to the cache at (rows[t], cols[t]),
+        returns Q as [T, heads, head_dim]. rope: the fused kernel's whole cos/sin tables, or the
+        torch path's rows gathered at `positions` ([T, 1, head_dim]); None for GPT-2."""
         s = self.shape
-        paged = isinstance(meta, PagedAttentionMetadata)
-        # where each row's K/V goes: (slot, position) in the slot cache, (block, offset) in the paged one
-        rows, cols = (meta.block_ids, meta.block_offsets) if paged else (meta.slot_ids, positions)
         num_q, num_kv, d = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.head_dim
         if self.fused:
-            tables = (self.rope_cos, self.rope_sin) if s.family == "llama" else (None, None)
+            tables = rope or (None, None)
             fused_ops.rope_write(qkv, positions, *tables, cache.k[layer], cache.v[layer], rows, cols, s.num_heads)
             return qkv[:, :num_q].view(-1, s.num_heads, d)
         v = qkv[:, num_q + num_kv :].view(-1, s.num_kv_heads, d)
-        if s.family == "llama":  # Q and K rotated together: one pass over both
-            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
-            qk = self._rope(qkv[:, : num_q + num_kv].view(-1, s.num_heads + s.num_kv_heads, d), cos, sin)
+        if rope is not None:  # Q and K rotated together: one pass over both
+            qk = self._rope(qkv[:, : num_q + num_kv].view(-1, s.num_heads + s.num_kv_heads, d), *rope)
             q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
         else:
             q = qkv[:, :num_q].view(-1, s.num_heads, d)
@@ -179,10 +179,20 @@ class Decoder:
         x = w["embed"][input_ids]
         if s.family == "gpt2":
             x = x + w["pos_embed"][positions]
+        # RoPE's cos/sin, once per step: the kernel reads the whole tables at each row's position
+        rope = None
+        if s.family == "llama" and self.fused:
+            rope = (self.rope_cos, self.rope_sin)
+        elif s.family == "llama":
+            rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
+        paged = isinstance(meta, PagedAttentionMetadata)
+        # where each row's K/V goes: (slot, position) in the slot cache, (block, offset) in the paged one
+        rows, cols = (meta.block_ids, meta.block_offsets) if paged else (meta.slot_ids, positions)
         for i in range(s.num_layers):
             p = f"layers.{i}"
-            q = self._rope_and_write(i, linear[p + ".qkv"](self._norm(x, p + ".attn_norm")), positions, meta, cache)
-            if isinstance(meta, PagedAttentionMetadata):  # paged cache: read via block tables
+            h = linear[p + ".qkv"](self._norm(x, p + ".attn_norm"))
+            q = self._rope_and_write(i, h, positions, rope, cache, rows, cols)
+            if paged:  # read via block tables
                 attn = paged_attention(q, cache.k[i], cache.v[i], meta)
             else:
                 attn = slot_attention(q, cache.k[i], cache.v[i], meta)
