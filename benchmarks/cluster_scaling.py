@@ -21,7 +21,7 @@ from cluster.driver import run_workload
 from metrics.definitions import summarize
 from metrics.store import MetricsStore
 from replica.config import EngineConfig
-from replica.serving import ReplicaConfig
+from replica.serving.loop import ReplicaConfig
 from workloads.standard import saturated
 
 

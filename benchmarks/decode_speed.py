@@ -1,6 +1,6 @@
-"""The C++ decode attention kernel (`replica/decode_attention.py`) against
+"""The C++ decode attention kernel (`replica/kernels/decode_attention.py`) against
 scaled_dot_product_attention, in one process, in turns: decode steps at a few batch sizes and
-a small `saturated` run, each with `replica.attention.USE_DECODE_KERNEL` off ("before") and on
+a small `saturated` run, each with `replica.model.attention.USE_DECODE_KERNEL` off ("before") and on
 ("after"). A quick check (2-4 minutes) where `slotserve bench` takes 20.
 
     .venv/bin/python benchmarks/decode_speed.py [--batches 1 8 64] [--requests 24] [--dtype bfloat16]
@@ -12,10 +12,10 @@ import argparse
 import statistics
 import time
 
-import replica.attention as attention
+import replica.model.attention as attention
 from replica.config import EngineConfig
 from replica.engine import Engine
-from replica.model_runner import ModelRunner
+from replica.model.runner import ModelRunner
 from workloads.standard import saturated
 from workloads.workload import request_prompt
 

@@ -71,8 +71,8 @@ from metrics.store import open_store
 from replica.config import EngineConfig
 from replica.engine import Engine
 from replica.errors import ConfigError
-from replica.model_loader import DEFAULT_MODEL
-from replica.policies import POLICIES
+from replica.model.loader import DEFAULT_MODEL
+from replica.scheduling.policies import POLICIES
 from router.policies import DEFAULT_POLICY
 from sim.calibrate import calibrate, calibrate_from_store, calibration_machine, fit, grid, measure
 from sim.cost_model import FittedCostModel
@@ -283,7 +283,7 @@ def run_batching(
     replica's full-batch decode capacity."""
     import torch
 
-    from replica.model_runner import ModelRunner
+    from replica.model.runner import ModelRunner
     from sim.compare import measure_decode_capacity
 
     torch.set_num_threads(threads)
@@ -369,7 +369,7 @@ def run_routing(
     from cluster.driver import run_workload
     from experiments.backends import measure_capacity
     from metrics.store import MetricsStore
-    from replica.serving import ReplicaConfig
+    from replica.serving.loop import ReplicaConfig
 
     costs = {}
     if grid_cost is None:

@@ -29,9 +29,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from peers.roofline import bandwidth, matmul_flops
 from replica.config import EngineConfig
-from replica.cpu import cpu_info
 from replica.engine import Engine
-from replica.model_runner import ModelRunner
+from replica.kernels.cpu import cpu_info
+from replica.model.runner import ModelRunner
 
 MODEL = "smollm2-135m"
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -166,7 +166,7 @@ def switched(runner: ModelRunner, reps: int, steps: int, what: str, switch, case
 
 def decode_kernel(runner: ModelRunner, reps: int, steps: int) -> list[dict]:
     """The C++ decode attention kernel against SDPA, for contiguous and scattered groups."""
-    import replica.attention as attention
+    import replica.model.attention as attention
 
     return switched(
         runner,
@@ -180,7 +180,7 @@ def decode_kernel(runner: ModelRunner, reps: int, steps: int) -> list[dict]:
 
 def fused_kernels(runner: ModelRunner, reps: int, steps: int) -> list[dict]:
     """The per-layer C++ kernels (RMSNorm, RoPE with the cache write, SiLU times up;
-    `replica.fused_ops`) against torch's operators; none where they are not built here."""
+    `replica.kernels.fused_ops`) against torch's operators; none where they are not built here."""
     if not runner.model.fused:
         return []
     return switched(
@@ -200,11 +200,11 @@ def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
     scattered decode group holds, torch's thread count (decode steps of the real engine), fused
     QKV and gate/up projections, one batched attention call against a loop over sequences, the
     C++ decode attention kernel against SDPA, the per-layer C++ kernels against torch's operators."""
-    import replica.attention as attention
-    from replica.attention import AttentionMetadata, build_group, slot_attention
-    from replica.linear import Linear
-    from replica.model import Decoder
-    from replica.model_loader import load_hf_model
+    import replica.model.attention as attention
+    from replica.model.attention import AttentionMetadata, build_group, slot_attention
+    from replica.model.decoder import Decoder
+    from replica.model.linear import Linear
+    from replica.model.loader import load_hf_model
 
     rows, steps = [], 4 * reps + 10
     hf, dtype = load_hf_model(MODEL)[0], runner.model.dtype
@@ -432,8 +432,9 @@ def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], ar
         "",
         "## Per-sequence loops",
         "",
-        "`replica/attention.py` runs attention per group (one for single-token rows, one for multi-token prefill "
-        "chunks). Single-token rows go through one call of the C++ decode kernel (`replica/decode_attention.py`), "
+        "`replica/model/attention.py` runs attention per group (one for single-token rows, one for multi-token prefill "
+        "chunks). Single-token rows go through one call of the C++ decode kernel "
+        "(`replica/kernels/decode_attention.py`), "
         "which reads each row's own slot up to its own position; prefill chunks (and decode rows where the kernel "
         "is not built) through one `scaled_dot_product_attention` call up to the group's longest live position "
         "(over the slot range, or, where the group's slots are scattered, over those slots only): no per-sequence "

@@ -33,7 +33,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from replica.model_loader import default_model_dir  # noqa: E402
+from replica.model.loader import default_model_dir  # noqa: E402
 
 GUIDELLM = ROOT / ".venv-guidellm" / "bin" / "guidellm"
 MODEL = "smollm2-135m"

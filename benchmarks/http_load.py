@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from cluster.client import Client  # noqa: E402
 from cluster.deploy import ClusterSpec, start_cluster, stop_cluster  # noqa: E402
 from replica import EngineConfig  # noqa: E402
-from replica.serving import ReplicaConfig  # noqa: E402
+from replica.serving.loop import ReplicaConfig  # noqa: E402
 
 MODEL = "fake"
 

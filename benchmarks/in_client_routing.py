@@ -31,7 +31,7 @@ from metrics.definitions import SLO
 from metrics.report import analyze
 from metrics.store import MetricsStore
 from replica.config import EngineConfig
-from replica.serving import ReplicaConfig
+from replica.serving.loop import ReplicaConfig
 from workloads.standard import at_load
 
 

@@ -30,8 +30,8 @@ from metrics.definitions import summarize
 from protocol.clock import Clock, FakeClock, WallClock
 from replica import Engine, EngineConfig
 from replica.engine import Runner, StepResult
-from replica.fake_model import ScriptedFakeRunner
-from replica.model_loader import DEFAULT_MODEL
+from replica.model.fake import ScriptedFakeRunner
+from replica.model.loader import DEFAULT_MODEL
 from sim.replay import replay
 from workloads.standard import bursty_mix
 
@@ -106,7 +106,7 @@ def run_arm(config: EngineConfig, runner: Runner, clock: Clock, requests: int, r
 
 
 def real_runner(config: EngineConfig) -> Runner:
-    from replica.model_runner import ModelRunner  # torch only for part 2
+    from replica.model.runner import ModelRunner  # torch only for part 2
 
     return ModelRunner(config.model_copy(update={"model": DEFAULT_MODEL}))
 

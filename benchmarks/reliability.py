@@ -35,8 +35,8 @@ from cluster.client import Client, Result
 from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
 from protocol.errors import OverloadedError
 from replica import EngineConfig
-from replica.fake_model import ScriptedFakeRunner
-from replica.serving import ReplicaConfig
+from replica.model.fake import ScriptedFakeRunner
+from replica.serving.loop import ReplicaConfig
 
 FAKE = ScriptedFakeRunner(None)  # what an undisturbed run of the fake model makes: FAKE.continuation
 

@@ -30,7 +30,7 @@ from metrics.definitions import SLO
 from metrics.report import analyze, format_report
 from metrics.store import MetricsStore
 from replica.config import EngineConfig
-from replica.serving import ReplicaConfig
+from replica.serving.loop import ReplicaConfig
 from workloads.standard import at_load
 
 POLICIES = ["round_robin", "random", "least_loaded"]

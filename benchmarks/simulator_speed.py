@@ -20,8 +20,8 @@ import pstats
 import time
 
 from replica.config import EngineConfig
-from replica.fake_model import FlatCostModel
-from replica.scheduler import ScheduledChunk, SchedulerOutput
+from replica.model.fake import FlatCostModel
+from replica.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 from sim.cost_model import FittedCostModel
 from sim.simulator import SimulationConfig, simulate
 from workloads.standard import at_load
@@ -33,7 +33,7 @@ LOADS = (0.3, 0.5, 0.7, 0.9, 1.1)
 
 def decode_capacity(cost, num_slots: int, num_replicas: int) -> float:
     """Output tokens/s of every slot of every replica decoding, under the cost model."""
-    from replica.request import Request, SamplingParams
+    from replica.scheduling.request import Request, SamplingParams
 
     out = SchedulerOutput(
         [ScheduledChunk(Request(f"c{i}", [1] * 64, SamplingParams(), 0.0), 64, 1, True) for i in range(num_slots)]

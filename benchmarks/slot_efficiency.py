@@ -15,7 +15,7 @@ import argparse
 from metrics.definitions import expected_static_slot_efficiency, slot_efficiency
 from protocol.clock import FakeClock
 from replica import Engine, EngineConfig
-from replica.fake_model import ScriptedFakeRunner
+from replica.model.fake import ScriptedFakeRunner
 from sim.replay import replay
 from workloads.standard import SIGMAS, sigma_sweep
 

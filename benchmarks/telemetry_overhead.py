@@ -26,7 +26,7 @@ from cluster.telemetry import ReplicaExporter
 from metrics.definitions import SLO
 from protocol.telemetry import ReplicaTelemetry
 from replica import Engine, EngineConfig
-from replica.serving import load_report
+from replica.serving.loop import load_report
 
 
 def saturated_engine(engine: Engine, hooks: ReplicaTelemetry, ids: itertools.count, rng: random.Random) -> None:
@@ -79,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level="ERROR", num_cpus=1)
     from protocol.clock import WallClock
-    from replica.fake_model import FlatCostModel, ScriptedFakeRunner
+    from replica.model.fake import FlatCostModel, ScriptedFakeRunner
 
     clock = WallClock()
     fake = Engine(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from peers import engine_speed
-from replica.model_loader import DEFAULT_MODEL
+from replica.model.loader import DEFAULT_MODEL
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from replica.errors import ConfigError
-from replica.model_loader import DEFAULT_MODEL
+from replica.model.loader import DEFAULT_MODEL
 from sim.calibrate import DEFAULT_OUT, calibrate, calibrate_from_store, format_fit
 
 

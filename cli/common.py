@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from metrics.store import DEFAULT_STORE
-from replica.policies import POLICIES
+from replica.scheduling.policies import POLICIES
 
 
 def engine_args(p: argparse.ArgumentParser) -> None:
@@ -61,7 +61,7 @@ def running_cluster(address: str | None) -> bool:
 def cluster_spec(args: argparse.Namespace):
     from cluster.deploy import ClusterSpec
     from replica.config import EngineConfig
-    from replica.serving import ReplicaConfig
+    from replica.serving.loop import ReplicaConfig
 
     engine = EngineConfig(
         model=args.model,

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from cli import common
-from replica.policies import POLICIES
+from replica.scheduling.policies import POLICIES
 
 DEFAULT_OUT = Path("results")
 

@@ -7,11 +7,11 @@ import json
 
 from cli import common
 from protocol.errors import SlotServeError
-from replica.policies import POLICIES
+from replica.scheduling.policies import POLICIES
 
 
 def run(args: argparse.Namespace) -> int:
-    from replica.request import SamplingParams, validate_prompt
+    from replica.scheduling.request import SamplingParams, validate_prompt
 
     for prompt in args.prompts:  # before anything starts: undecodable bytes in argv are a clear error
         validate_prompt(prompt)

@@ -21,7 +21,7 @@ def load_tokenizer(model: str):
     random GPT-2 uses the default model's, as its replicas do."""
     from transformers import AutoTokenizer
 
-    from replica.model_loader import default_model_dir, resolve_model_dir
+    from replica.model.loader import default_model_dir, resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir(model) or default_model_dir())
 

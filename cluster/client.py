@@ -41,7 +41,7 @@ from protocol.errors import DrainingError, RequestLostError, SlotServeError
 from protocol.messages import MigrationRecord, StreamEvent
 from replica.config import EngineConfig
 from replica.errors import InvalidRequestError
-from replica.request import SamplingParams, validate_prompt, validate_request_id
+from replica.scheduling.request import SamplingParams, validate_prompt, validate_request_id
 from router.actor import ROUTER_ACTOR_NAME
 
 NAMESPACE = "slotserve"
@@ -652,7 +652,7 @@ class Client:
                 try:
                     wait = None if deadline is None else max(0.0, deadline - time.monotonic())
                     event = await asyncio.wait_for(events.get(), wait)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise self._timed_out(flight, timeout) from None
                 flight.result.add(event)
                 finished = event.finished

@@ -30,8 +30,8 @@ from cluster.store_actor import STORE_ACTOR_NAME, StoreActor
 from cluster.telemetry import replica_telemetry, router_telemetry
 from metrics.definitions import SLO
 from metrics.store import DEFAULT_STORE
-from replica.actor import ReplicaActor
-from replica.serving import ReplicaConfig
+from replica.serving.actor import ReplicaActor
+from replica.serving.loop import ReplicaConfig
 from router.actor import ROUTER_ACTOR_NAME, RouterActor
 from router.policies import ROUTING_POLICIES
 

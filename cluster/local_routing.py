@@ -20,7 +20,7 @@ import weakref
 import ray
 
 from protocol.errors import SlotServeError
-from replica.serving import REPORT_INTERVAL
+from replica.serving.loop import REPORT_INTERVAL
 from router.load import RouteRequest
 from router.router import Router
 

@@ -1,4 +1,4 @@
-"""Ray Serve as the peer of slotserve's routing: the same replica engine (`replica.serving`'s
+"""Ray Serve as the peer of slotserve's routing: the same replica engine (`replica.serving.loop`'s
 AsyncEngine over `build_engine`, fake or real model) deployed as a Ray Serve deployment and
 routed by Serve's own request routers, driven with a workload the way `cluster.driver` drives
 slotserve, and recorded in the same store through `metrics.recording`.
@@ -35,8 +35,8 @@ import ray
 from metrics.definitions import RequestTrace
 from metrics.recording import request_row
 from replica.engine import StepRecord
-from replica.request import FinishReason
-from replica.serving import AsyncEngine, ReplicaConfig, build_engine
+from replica.scheduling.request import FinishReason
+from replica.serving.loop import AsyncEngine, ReplicaConfig, build_engine
 from workloads.schedule import ArrivalSchedule
 from workloads.workload import Workload, request_prompt
 

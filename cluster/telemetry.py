@@ -31,8 +31,8 @@ from metrics.live import METRICS, NO_RUN, LiveMetric
 from protocol.errors import SlotServeError
 from protocol.telemetry import ReplicaTelemetry, RouterTelemetry
 from replica.engine import Engine, RequestOutput, StepRecord
-from replica.request import FinishReason, Request
-from replica.serving import ReplicaConfig
+from replica.scheduling.request import FinishReason, Request
+from replica.serving.loop import ReplicaConfig
 
 SERVICE_DISCOVERY_FILE = "prom_metrics_service_discovery.json"  # Ray's own name for it
 # Seconds between re-sends of the gauges: Ray's metrics agent drops a gauge not set again within

@@ -170,7 +170,7 @@ class RayBackend:
         self.vocab_size: int | None = None  # the replicas' vocabulary, read when capacity is measured
 
     def _replica_config(self, cell: Cell):
-        from replica.serving import ReplicaConfig
+        from replica.serving.loop import ReplicaConfig
 
         c = self.plan.experiment.cluster
         fake_cost = self.plan.cost if c.model == "fake" and c.fake_step_seconds is None else None

@@ -15,8 +15,8 @@ from cluster.serve_baseline import SERVE_ROUTERS
 from protocol.registry import Registry
 from replica.config import EngineConfig
 from replica.errors import ConfigError
-from replica.fake_model import CostModel, FlatCostModel
-from replica.policies import POLICIES
+from replica.model.fake import CostModel, FlatCostModel
+from replica.scheduling.policies import POLICIES
 from router.policies import ROUTING_POLICIES
 from sim.cost_model import FittedCostModel
 from workloads.capacity import Capacity

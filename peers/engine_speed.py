@@ -194,7 +194,7 @@ def _decode1(job: Job) -> list[BenchRow]:
 
 def _vllm(job: Job) -> list[BenchRow]:
     from peers.vllm_cpu import VllmSettings, run_vllm
-    from replica.model_loader import resolve_model_dir
+    from replica.model.loader import resolve_model_dir
 
     model_dir = resolve_model_dir(job.model)
     if model_dir is None:
@@ -216,8 +216,8 @@ def _vllm(job: Job) -> list[BenchRow]:
 
 def _hf_model(job: Job):
     from replica.config import resolve_dtype
-    from replica.model_loader import load_hf_model
-    from replica.model_runner import DTYPES, pick_device
+    from replica.model.loader import load_hf_model
+    from replica.model.runner import DTYPES, pick_device
 
     hf, _ = load_hf_model(job.model)
     device = pick_device(job.device)
@@ -341,7 +341,7 @@ def default_dtypes(device: str) -> list[str]:
 
 def plan(args: argparse.Namespace) -> list[Job]:
     from replica.config import resolve_dtype
-    from replica.model_runner import pick_device
+    from replica.model.runner import pick_device
 
     common = {"model": args.model, "device": args.device, "num_requests": args.requests}
     jobs = []
@@ -385,8 +385,8 @@ def run(args: argparse.Namespace) -> dict:
     API may differ between versions, vLLM's environment may be missing) and the JSON is rewritten
     after each row, so a run cut short still leaves what it measured."""
     from peers.roofline import probe
-    from replica.cpu import cpu_info
-    from replica.model_runner import pick_device
+    from replica.kernels.cpu import cpu_info
+    from replica.model.runner import pick_device
 
     print(f"CPU: {cpu_info().describe()}", flush=True)
     args.dtypes = args.dtypes or default_dtypes(pick_device(args.device))
@@ -465,7 +465,7 @@ def agreement(rows: list[BenchRow]) -> list[dict]:
 
 
 def summarize(rows: list[BenchRow], args: argparse.Namespace, roof) -> dict:
-    from replica.model_runner import pick_device
+    from replica.model.runner import pick_device
 
     on_cpu = pick_device(args.device) == "cpu"
     params = _params_per_token(args.model)
@@ -525,8 +525,8 @@ def _params_per_token(model: str) -> int:
     """Weights one token multiplies through, from the model's config (no weights loaded)."""
     from transformers import AutoConfig, GPT2Config
 
-    from replica.model import ModelShape
-    from replica.model_loader import resolve_model_dir
+    from replica.model.decoder import ModelShape
+    from replica.model.loader import resolve_model_dir
 
     path = resolve_model_dir(model)
     config = (

@@ -1,5 +1,5 @@
 """Chained hashes of a prompt's full blocks: the key a paged prefix cache files a block under
-(`replica.block_manager`), also what a router's prefix index and a workload's best-possible
+(`replica.scheduling.block_manager`), also what a router's prefix index and a workload's best-possible
 prefix hit rate are computed from, so all three name the same prefix the same way.
 
 The hash of block i covers every token before it (`hash((hash of block i-1, *tokens of block

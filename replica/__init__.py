@@ -6,8 +6,8 @@ The engine and its schedulers import no Ray; torch is loaded only when a real mo
 from replica.config import EngineConfig
 from replica.engine import Completion, Engine, RequestOutput, StepRecord, StepResult
 from replica.errors import ConfigError, InvalidRequestError, InvariantViolation, RequestTooLongError
-from replica.policies import POLICIES, make_scheduler
-from replica.request import FinishReason, Request, SamplingParams
+from replica.scheduling.policies import POLICIES, make_scheduler
+from replica.scheduling.request import FinishReason, Request, SamplingParams
 
 __all__ = [
     "POLICIES",

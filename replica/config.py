@@ -8,17 +8,17 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
-from replica.cpu import CpuInfo, cpu_info
-from replica.model_loader import DEFAULT_MODEL
-from replica.policies import POLICIES
-from replica.scheduler import SchedulerConfig
+from replica.kernels.cpu import CpuInfo, cpu_info
+from replica.model.loader import DEFAULT_MODEL
+from replica.scheduling.policies import POLICIES
+from replica.scheduling.scheduler import SchedulerConfig
 
 
 class EngineConfig(SchedulerConfig):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     model: str = Field(DEFAULT_MODEL, description="built-in name or a local Hugging Face directory")
-    policy: str = Field("continuous", description="batching policy (see replica.policies.POLICIES)")
+    policy: str = Field("continuous", description="batching policy (see replica.scheduling.policies.POLICIES)")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description='"auto": bfloat16 on a GPU or a CPU with bf16 matrix units, else float32'
     )

@@ -16,9 +16,9 @@ from typing import Any, Protocol
 from protocol.clock import Clock, WallClock
 from replica.config import EngineConfig
 from replica.errors import ConfigError, InvalidRequestError, InvariantViolation, RequestTooLongError
-from replica.policies import make_scheduler
-from replica.request import FinishReason, Request, SamplingParams
-from replica.scheduler import SchedulerOutput
+from replica.scheduling.policies import make_scheduler
+from replica.scheduling.request import FinishReason, Request, SamplingParams
+from replica.scheduling.scheduler import SchedulerOutput
 
 
 class Runner(Protocol):
@@ -91,7 +91,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.clock = clock or WallClock()
         if runner is None:
-            from replica.model_runner import ModelRunner  # torch only when a real model is asked for
+            from replica.model.runner import ModelRunner  # torch only when a real model is asked for
 
             runner = ModelRunner(self.config)
         if self.config.max_seq_len > runner.max_model_len:  # a slot can't hold more than the model's context

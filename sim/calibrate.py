@@ -1,5 +1,5 @@
 """`slotserve calibrate`: measure the real engine's step times on this machine and fit the
-simulator's cost model to them (`replica.fake_model.FittedCostModel`).
+simulator's cost model to them (`replica.model.fake.FittedCostModel`).
 
 The real engine (`Engine` with the real `ModelRunner`, on the wall clock) runs a designed
 grid of synthetic requests, each cell in a fresh engine on one shared runner:
@@ -47,8 +47,8 @@ from protocol.clock import Clock
 from replica.config import EngineConfig
 from replica.engine import Engine, Runner
 from replica.errors import ConfigError
-from replica.model_loader import DEFAULT_MODEL
-from replica.scheduler import SchedulerOutput
+from replica.model.loader import DEFAULT_MODEL
+from replica.scheduling.scheduler import SchedulerOutput
 from sim.cost_model import FEATURES, FittedCostModel, StepFeatures
 
 DEFAULT_OUT = Path("results/cost_model.json")
@@ -179,7 +179,7 @@ def calibrate(
     fitted on."""
     import torch
 
-    from replica.model_runner import ModelRunner
+    from replica.model.runner import ModelRunner
 
     cells = grid(num_slots, quick)
     max_seq_len = max(c.prompt_len + c.max_tokens for c in cells)
@@ -269,7 +269,7 @@ def _colocated_replica(
     then keep the machine as busy as a serving neighbour until every process has measured."""
     import torch
 
-    from replica.model_runner import ModelRunner
+    from replica.model.runner import ModelRunner
 
     torch.set_num_threads(threads)
     runner = ModelRunner(

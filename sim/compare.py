@@ -15,7 +15,7 @@ from pathlib import Path
 from metrics.definitions import SLO, slot_efficiency, summarize
 from replica.config import EngineConfig
 from replica.engine import Engine
-from replica.model_runner import ModelRunner
+from replica.model.runner import ModelRunner
 from sim.replay import ReplayResult, replay
 from workloads.standard import at_load
 

@@ -14,7 +14,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from replica.errors import ConfigError
-from replica.fake_model import LinearCostModel, StepFeatures
+from replica.model.fake import LinearCostModel, StepFeatures
 
 FEATURES = ("decode_tokens", "prefill_tokens", "context_tokens", "padding_rows")
 

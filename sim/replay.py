@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from metrics.definitions import RequestTrace
 from replica.engine import Engine, StepRecord
-from replica.request import Request
+from replica.scheduling.request import Request
 from workloads.schedule import ArrivalSchedule
 from workloads.workload import Workload, request_prompt
 

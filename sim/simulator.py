@@ -3,7 +3,7 @@
 Nothing here re-implements a policy. Each simulated replica is a real `replica.engine.Engine`
 (so the real scheduler of its batching policy) whose runner pays a cost model's step time on
 the replica's own `FakeClock`; routing is done by a real `router.router.Router`, fed the
-same load reports the replicas send in the cluster (`replica.serving.load_report`, sent at
+same load reports the replicas send in the cluster (`replica.serving.loop.load_report`, sent at
 step boundaries and throttled by `report_due`) and told of every completion. So a policy
 compared here is the same object that runs on the cluster.
 
@@ -38,9 +38,9 @@ from protocol.errors import SlotServeError
 from replica.config import EngineConfig
 from replica.engine import Engine, StepRecord, StepResult
 from replica.errors import InvariantViolation
-from replica.fake_model import CostModel, FlatCostModel, SimulationRunner
-from replica.request import Request
-from replica.serving import load_report, report_due
+from replica.model.fake import CostModel, FlatCostModel, SimulationRunner
+from replica.scheduling.request import Request
+from replica.serving.loop import load_report, report_due
 from router.load import RouteRequest
 from router.policies import DEFAULT_POLICY, ROUTING_POLICIES
 from router.router import Decision, Router

@@ -20,7 +20,7 @@ TINY_VOCAB = 49152  # the default model's tokenizer, shipped with every tiny mod
 def _save_tiny(path, hf_model) -> str:
     from transformers import AutoTokenizer
 
-    from replica.model_loader import default_model_dir
+    from replica.model.loader import default_model_dir
 
     hf_model.save_pretrained(path)
     AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(path)

@@ -47,19 +47,19 @@ FORBIDDEN_THIRD_PARTY = {
     "metrics": {"ray", "torch"},
     "sim": {"ray"},
     "dashboards": {"ray", "torch"},
-    "replica.scheduler": {"ray", "torch"},
-    "replica.policies": {"ray", "torch"},
-    "replica.slot_table": {"ray", "torch"},
-    "replica.block_manager": {"ray", "torch"},
-    "replica.request": {"ray", "torch"},
+    "replica.scheduling.scheduler": {"ray", "torch"},
+    "replica.scheduling.policies": {"ray", "torch"},
+    "replica.scheduling.slot_table": {"ray", "torch"},
+    "replica.scheduling.block_manager": {"ray", "torch"},
+    "replica.scheduling.request": {"ray", "torch"},
     "replica.engine": {"ray"},
-    "replica.serving": {"ray"},
+    "replica.serving.loop": {"ray"},
     "router.router": {"ray"},
     "router.policies": {"ray"},
     "router.load": {"ray"},
 }
 # Modules allowed to import Ray in packages that otherwise do not: the thin actor shells.
-RAY_SHELLS = {"replica.actor", "router.actor"}
+RAY_SHELLS = {"replica.serving.actor", "router.actor"}
 MAX_LINES = 400
 LONG_FILE_MARK = "# Over 400 lines:"
 

@@ -14,10 +14,10 @@ from protocol.clock import FakeClock
 from replica.config import EngineConfig
 from replica.engine import Engine
 from replica.errors import InvalidRequestError, RequestTooLongError
-from replica.fake_model import ScriptedFakeRunner
-from replica.policies import POLICIES
-from replica.request import FinishReason, Request, SamplingParams
-from replica.sampler import Sampler
+from replica.model.fake import ScriptedFakeRunner
+from replica.model.sampler import Sampler
+from replica.scheduling.policies import POLICIES
+from replica.scheduling.request import FinishReason, Request, SamplingParams
 
 VOCAB = 50
 MAX_SEQ_LEN = 64

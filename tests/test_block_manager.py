@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from replica.block_manager import BlockManager
-from replica.request import Request, SamplingParams
-from replica.scheduler import SchedulerConfig
+from replica.scheduling.block_manager import BlockManager
+from replica.scheduling.request import Request, SamplingParams
+from replica.scheduling.scheduler import SchedulerConfig
 
 BS = 4
 

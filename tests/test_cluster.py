@@ -20,7 +20,7 @@ from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
 from cluster.driver import run_workload
 from metrics.store import MetricsStore
 from replica import Engine, EngineConfig, InvalidRequestError
-from replica.serving import ReplicaConfig
+from replica.serving.loop import ReplicaConfig
 from workloads import bursty_mix
 
 FAKE = ReplicaConfig(engine=EngineConfig(num_slots=4, max_seq_len=256), fake_step_seconds=0.005)
@@ -132,7 +132,7 @@ DRIVER = textwrap.dedent("""
     from cluster.deploy import ClusterSpec, start_cluster
     from cluster.driver import run_workload
     from replica import EngineConfig
-    from replica.serving import ReplicaConfig
+    from replica.serving.loop import ReplicaConfig
     from workloads import bursty_mix
     ray.init(address="local", num_cpus=4, namespace="slotserve", include_dashboard=False, log_to_driver=False)
     spec = ClusterSpec(num_replicas=1, store_path=sys.argv[1],

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from replica import POLICIES, ConfigError, Engine, EngineConfig
-from replica.model_loader import load_hf_model
-from replica.model_runner import ModelRunner
+from replica.model.loader import load_hf_model
+from replica.model.runner import ModelRunner
 
 SLOTS = 4
 # The K/V cache layouts; the paged one with prefix caching, so that preempted requests also

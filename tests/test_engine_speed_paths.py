@@ -16,10 +16,10 @@ import torch.nn.functional as F
 
 from peers.engine_speed import BenchRow, agreement
 from peers.vllm_cpu import VllmSettings, environment
-from replica.attention import AttentionMetadata, build_group, slot_attention
 from replica.config import EngineConfig, resolve_dtype
-from replica.cpu import parse_cpuinfo
-from replica.linear import Linear, can_pack
+from replica.kernels.cpu import parse_cpuinfo
+from replica.model.attention import AttentionMetadata, build_group, slot_attention
+from replica.model.linear import Linear, can_pack
 
 CPUINFO = "processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu sse2 avx2 fma {extra}\nprocessor\t: 1\n"
 
@@ -62,14 +62,14 @@ def test_bf16_packed_and_int8_products_match_fp32(rows):
 
 def test_gathered_attention_equals_the_range_view(monkeypatch):
     """Decodes in scattered slots (gathered) and the same decodes read through the slot range."""
-    monkeypatch.setattr("replica.attention.USE_DECODE_KERNEL", False)  # SDPA's layouts (the kernel needs none)
+    monkeypatch.setattr("replica.model.attention.USE_DECODE_KERNEL", False)  # SDPA's layouts (the kernel needs none)
     torch.manual_seed(0)
     k, v = torch.randn(64, 3, 40, 16), torch.randn(64, 3, 40, 16)
     q = torch.randn(3, 9, 16)
     slots, positions = [2, 30, 61], [5, 39, 17]
 
     def run(spread: int) -> torch.Tensor:
-        monkeypatch.setattr("replica.attention.GATHER_SPREAD", spread)
+        monkeypatch.setattr("replica.model.attention.GATHER_SPREAD", spread)
         group = build_group([0, 1, 2], slots, [0, 0, 0], positions, 3, "cpu")
         assert (group.kv_slots is not None) == (spread == 2)
         return slot_attention(q, k, v, AttentionMetadata(torch.tensor(slots), [group], 3))
@@ -89,7 +89,7 @@ def test_decode_kernel_equals_sdpa(monkeypatch, dtype, head_dim):
     """The C++ decode kernel and the SDPA path give the same attention for decode rows in scattered
     slots, listed out of slot order, with grouped K/V heads, next to a prefill chunk's rows (which
     stay on SDPA); head_dim 24 takes the kernel's scalar tail."""
-    from replica import decode_attention
+    from replica.kernels import decode_attention
 
     if not shutil.which("c++"):
         pytest.skip("no C++ compiler: the kernel is not built and SDPA serves every row")
@@ -105,7 +105,7 @@ def test_decode_kernel_equals_sdpa(monkeypatch, dtype, head_dim):
     meta = AttentionMetadata(torch.tensor(slots + [9, 9, 9]), groups, 3)
 
     def run(kernel: bool) -> torch.Tensor:
-        monkeypatch.setattr("replica.attention.USE_DECODE_KERNEL", kernel)
+        monkeypatch.setattr("replica.model.attention.USE_DECODE_KERNEL", kernel)
         return slot_attention(q, k, v, meta).float()
 
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -124,8 +124,8 @@ def test_fused_rope_write_and_silu_mul_equal_torch(dtype, rope):
     """rope_write rotates Q and K in place exactly as the torch path does (or leaves them, GPT-2)
     and puts each row's K and V at its (cache row, column), touching nothing else; silu_mul is
     SiLU(gate) * up; a cache row or column past the cache is refused, not written."""
-    from replica import fused_ops
-    from replica.model import Decoder
+    from replica.kernels import fused_ops
+    from replica.model.decoder import Decoder
 
     if not shutil.which("c++"):
         pytest.skip("no C++ compiler: the kernels are not built and torch's operators serve")
@@ -169,8 +169,8 @@ def test_int8_kernel_equals_the_dequantized_product(dtype, rows):
     """The int8 kernel computes x (q * scale)^T + bias + residual for any row count (blocks of 8
     rows and their remainder) and a K that is not a multiple of its 32-value stride; a shape
     mismatch is refused by name."""
-    from replica import int8_matmul
-    from replica.linear import quantize_int8
+    from replica.kernels import int8_matmul
+    from replica.model.linear import quantize_int8
 
     if not shutil.which("c++"):
         pytest.skip("no C++ compiler: the kernel is not built and aten._weight_int8pack_mm serves")
@@ -223,7 +223,7 @@ def test_default_model_dir_loads_with_tied_embeddings_saved_the_standard_way():
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from replica.model_loader import default_model_dir
+    from replica.model.loader import default_model_dir
 
     path = default_model_dir()
     config = json.loads((path / "config.json").read_text())

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from cluster.client import Client
 from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
 from replica import EngineConfig, InvalidRequestError
-from replica.fake_model import ScriptedFakeRunner
-from replica.serving import ReplicaConfig
+from replica.model.fake import ScriptedFakeRunner
+from replica.serving.loop import ReplicaConfig
 
 FAKE = ScriptedFakeRunner(None)  # what an undisturbed run of the fake model makes: FAKE.continuation
 

@@ -25,7 +25,7 @@ from cluster.client import Client
 from cluster.deploy import ClusterSpec, Deployment, start_cluster, stop_cluster
 from metrics.store import MetricsStore
 from replica import EngineConfig
-from replica.serving import ReplicaConfig
+from replica.serving.loop import ReplicaConfig
 
 MODEL = "fake"
 KEY = "test-key"

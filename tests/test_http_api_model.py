@@ -16,7 +16,7 @@ from cli.serve import build_ingress, http_server, load_tokenizer, serve_http
 from cluster.client import Client
 from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
 from replica import EngineConfig
-from replica.serving import ReplicaConfig
+from replica.serving.loop import ReplicaConfig
 from tests.test_http_api import free_port
 
 pytestmark = pytest.mark.slow

@@ -23,8 +23,8 @@ from metrics.definitions import SLO
 from metrics.live import METRICS
 from protocol.clock import FakeClock
 from replica import Engine, EngineConfig
-from replica.fake_model import FlatCostModel, ScriptedFakeRunner
-from replica.serving import load_report
+from replica.model.fake import FlatCostModel, ScriptedFakeRunner
+from replica.serving.loop import load_report
 from router.load import RouteRequest
 from router.router import Router
 

@@ -34,7 +34,7 @@ from dashboards.render import render
 from metrics.definitions import SLO
 from metrics.store import MetricsStore
 from replica import EngineConfig
-from replica.serving import ReplicaConfig
+from replica.serving.loop import ReplicaConfig
 from workloads import bursty_mix
 
 ROOT = Path(__file__).resolve().parent.parent

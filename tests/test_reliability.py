@@ -17,8 +17,8 @@ from cluster.client import Client, RequestTimeoutError
 from cluster.deploy import ClusterError, ClusterSpec, cluster_status, drain_replica, start_cluster, stop_cluster
 from protocol.errors import OverloadedError
 from replica import EngineConfig
-from replica.fake_model import ScriptedFakeRunner
-from replica.serving import ReplicaConfig
+from replica.model.fake import ScriptedFakeRunner
+from replica.serving.loop import ReplicaConfig
 from router.errors import RoutingError
 
 FAKE = ScriptedFakeRunner(None)  # what an undisturbed run of the fake model makes: FAKE.continuation

@@ -13,7 +13,7 @@ import ray
 from cluster.client import Client
 from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
 from replica import EngineConfig
-from replica.serving import ReplicaConfig
+from replica.serving.loop import ReplicaConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -13,9 +13,9 @@ import pytest
 from protocol.clock import FakeClock, WallClock
 from protocol.errors import DrainingError, OverloadedError
 from replica import Engine, EngineConfig, InvalidRequestError
-from replica.fake_model import FlatCostModel, ScriptedFakeRunner
-from replica.request import MAX_SEED, SamplingParams, validate_prompt
-from replica.serving import AsyncEngine
+from replica.model.fake import FlatCostModel, ScriptedFakeRunner
+from replica.scheduling.request import MAX_SEED, SamplingParams, validate_prompt
+from replica.serving.loop import AsyncEngine
 from router.load import RouteRequest
 from router.router import Router
 

@@ -14,8 +14,8 @@ from cluster.driver import run_workload
 from metrics.store import MetricsStore
 from protocol.clock import FakeClock
 from replica import Engine, EngineConfig, InvalidRequestError
-from replica.fake_model import FlatCostModel, ScriptedFakeRunner
-from replica.serving import ReplicaConfig
+from replica.model.fake import FlatCostModel, ScriptedFakeRunner
+from replica.serving.loop import ReplicaConfig
 from workloads import bursty_mix
 
 PAGED = EngineConfig(num_slots=4, max_seq_len=256, kv_cache="paged", prefix_caching=True, block_size=16)

@@ -21,9 +21,9 @@ from protocol.clock import FakeClock
 from replica.config import EngineConfig
 from replica.engine import Engine, StepRecord
 from replica.errors import InvariantViolation
-from replica.fake_model import ScriptedFakeRunner
-from replica.policies import POLICIES
-from replica.request import FinishReason, Request, RequestStatus
+from replica.model.fake import ScriptedFakeRunner
+from replica.scheduling.policies import POLICIES
+from replica.scheduling.request import FinishReason, Request, RequestStatus
 
 ALL_POLICIES = sorted(POLICIES)
 # K/V cache layouts every workload-level test runs on; small blocks so short prompts span several.

@@ -10,8 +10,8 @@ import pytest
 
 from protocol.clock import WallClock
 from replica import Engine, EngineConfig, FinishReason, InvalidRequestError
-from replica.fake_model import FlatCostModel, LinearCostModel, ScriptedFakeRunner
-from replica.serving import AsyncEngine, ReplicaConfig, build_engine
+from replica.model.fake import FlatCostModel, LinearCostModel, ScriptedFakeRunner
+from replica.serving.loop import AsyncEngine, ReplicaConfig, build_engine
 
 
 def make(policy: str = "continuous", slots: int = 4, step: float = 0.002, **kw):

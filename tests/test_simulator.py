@@ -1,6 +1,6 @@
 # Over 400 lines: simulator, cost model fit and calibration tests share their fixtures.
 """The discrete-event simulator (cluster/simulator.py), the cost models it runs on
-(replica/fake_model.py) and the calibration pipeline (cluster/calibrate.py). Everything runs on
+(replica/model/fake.py) and the calibration pipeline (cluster/calibrate.py). Everything runs on
 virtual time except the side-by-side calibration test, which times a tiny real model."""
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from metrics.store import StoreError, open_store
 from protocol.clock import FakeClock
 from replica import POLICIES, Engine, EngineConfig
 from replica.errors import ConfigError, InvariantViolation
-from replica.fake_model import FlatCostModel, ScriptedFakeRunner
-from replica.request import Request, SamplingParams
-from replica.scheduler import ScheduledChunk, SchedulerOutput
+from replica.model.fake import FlatCostModel, ScriptedFakeRunner
+from replica.scheduling.request import Request, SamplingParams
+from replica.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 from router.router import Router
 from sim.calibrate import ProbeCell, calibrate, grid, measure
 from sim.cost_model import FittedCostModel, StepFeatures

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from protocol.clock import FakeClock
 from replica.config import EngineConfig
 from replica.engine import Engine
-from replica.fake_model import FlatCostModel, ScriptedFakeRunner
+from replica.model.fake import FlatCostModel, ScriptedFakeRunner
 from sim.replay import replay
 from workloads import (
     AllAtOnce,
@@ -342,7 +342,7 @@ def test_closed_loop_through_the_cluster_driver(tmp_path):
     from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
     from cluster.driver import run_workload
     from metrics.store import MetricsStore
-    from replica.serving import ReplicaConfig
+    from replica.serving.loop import ReplicaConfig
 
     think, users = 0.05, 2
     w = spec(ClosedLoopArrivals(users=users, think_time=think), n=10, output_len=UniformLength(low=2, high=6)).build()

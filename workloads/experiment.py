@@ -12,7 +12,7 @@ workload of every seed is built at load time.
 
 Policy names are checked against registries the caller passes (`batching`, `routing`):
 `workloads` imports neither `replica` nor `router` (docs/ARCHITECTURE.md), so `experiments.plan`
-passes `replica.policies.POLICIES` and `router.policies.ROUTING_POLICIES`.
+passes `replica.scheduling.policies.POLICIES` and `router.policies.ROUTING_POLICIES`.
 
 Relative paths (a trace, a cost model) are relative to the experiment file's folder, so a
 file means the same thing from any working directory."""
@@ -20,11 +20,11 @@ file means the same thing from any working directory."""
 from __future__ import annotations
 
 import re
+import tomllib
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal
 
-import tomllib
 import yaml
 from pydantic import (
     BaseModel,

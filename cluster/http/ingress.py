@@ -25,7 +25,7 @@ from cluster.http.recorder import RunRecorder
 from protocol.errors import DrainingError, OverloadedError, SlotServeError
 from protocol.messages import StreamEvent
 from replica.errors import InvalidRequestError, RequestTooLongError
-from replica.request import validate_prompt
+from replica.scheduling.request import validate_prompt
 
 HEALTH_TIMEOUT = 2.0  # seconds the router and each replica get to answer a health check
 
@@ -169,7 +169,7 @@ class Ingress:
         """Whether the router answers and at least one replica is healthy, and each one's state."""
         try:
             replicas = await asyncio.wait_for(self.client.router.replicas.remote(), HEALTH_TIMEOUT)
-        except (ray.exceptions.RayError, asyncio.TimeoutError, ClusterError) as err:
+        except (TimeoutError, ray.exceptions.RayError, ClusterError) as err:
             return False, {"router": f"unreachable: {err}"}
         states = {"router": "ok"}
         reports = await asyncio.gather(

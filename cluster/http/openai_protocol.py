@@ -89,7 +89,7 @@ class _GenerationRequest(BaseModel):
             raise unsupported("logit_bias", "logit_bias")
 
     def sampling(self, max_tokens: int) -> dict[str, Any]:
-        """The request as `replica.request.SamplingParams` fields (validated there, so a bad
+        """The request as `replica.scheduling.request.SamplingParams` fields (validated there, so a bad
         value is a 400 naming the same field)."""
         return {
             "max_tokens": max_tokens,

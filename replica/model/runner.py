@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from replica.attention import AttentionGroup, AttentionMetadata, PagedAttentionMetadata, build_group
 from replica.config import EngineConfig, resolve_dtype
-from replica.kv_cache import PagedKVCache, SlotKVCache
-from replica.model import Decoder
-from replica.model_loader import load_hf_model
-from replica.request import Request
-from replica.sampler import Sampler
-from replica.scheduler import SchedulerOutput
+from replica.model.attention import AttentionGroup, AttentionMetadata, PagedAttentionMetadata, build_group
+from replica.model.decoder import Decoder
+from replica.model.kv_cache import PagedKVCache, SlotKVCache
+from replica.model.loader import load_hf_model
+from replica.model.sampler import Sampler
+from replica.scheduling.request import Request
+from replica.scheduling.scheduler import SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from replica.request import Request
+from replica.scheduling.request import Request
 
 
 def position_seed(seed: int, position: int) -> int:

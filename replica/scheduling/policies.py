@@ -8,8 +8,8 @@ from collections.abc import Iterable
 
 from protocol.clock import Clock
 from protocol.registry import Registry
-from replica.request import Request
-from replica.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from replica.scheduling.request import Request
+from replica.scheduling.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 
 
 class MixedScheduler(Scheduler):

@@ -127,7 +127,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why a request ended; every request ends with exactly one."""
 
     EOS = "eos"  # the model's end-of-sequence token

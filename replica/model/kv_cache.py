@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from replica.scheduler import SchedulerConfig
-from replica.slot_table import SlotTable
+from replica.scheduling.scheduler import SchedulerConfig
+from replica.scheduling.slot_table import SlotTable
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protocol.clock import Clock
-from replica.block_manager import PagedSlotTable
 from replica.errors import InvariantViolation
-from replica.request import FinishReason, Request, RequestStatus
-from replica.slot_table import SlotTable
+from replica.scheduling.block_manager import PagedSlotTable
+from replica.scheduling.request import FinishReason, Request, RequestStatus
+from replica.scheduling.slot_table import SlotTable
 
 
 class SchedulerConfig(BaseModel):

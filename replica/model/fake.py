@@ -18,8 +18,8 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.clock import Clock
-from replica.request import Request
-from replica.scheduler import SchedulerOutput
+from replica.scheduling.request import Request
+from replica.scheduling.scheduler import SchedulerOutput
 
 
 class CostModel(Protocol):

@@ -11,7 +11,7 @@ uses them natively). On a GPU, or where oneDNN cannot pack, the plain F.linear i
 A step with few rows is bound by reading the weights, not by arithmetic, so reading a quarter of
 fp32's bytes (int8 with one scale per output row) can make it faster; a Linear built with
 `int8_rows=N` keeps such a copy and uses it for steps of at most N rows, through
-`replica.int8_matmul`'s kernel where it is built (`aten._weight_int8pack_mm` otherwise).
+`replica.kernels.int8_matmul`'s kernel where it is built (`aten._weight_int8pack_mm` otherwise).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from replica import int8_matmul
+from replica.kernels import int8_matmul
 
 # The row count oneDNN tunes the packed layout for: a full decode batch of the default config.
 PACK_ROWS_HINT = 64

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from replica import fused_ops
-from replica.attention import AttentionMetadata, PagedAttentionMetadata, paged_attention, slot_attention
-from replica.kv_cache import PagedKVCache, SlotKVCache
-from replica.linear import Linear
+from replica.kernels import fused_ops
+from replica.model.attention import AttentionMetadata, PagedAttentionMetadata, paged_attention, slot_attention
+from replica.model.kv_cache import PagedKVCache, SlotKVCache
+from replica.model.linear import Linear
 
 # The weight matrices of a layer (and the LM head) that go through Linear.
 _MATRICES = ("qkv", "o", "gate_up", "up", "down", "lm_head")

@@ -30,8 +30,8 @@ from protocol.messages import HealthReport, LoadReport
 from replica.config import EngineConfig
 from replica.engine import Engine, RequestOutput, StepRecord
 from replica.errors import InvalidRequestError
-from replica.fake_model import FlatCostModel, LinearCostModel, ScriptedFakeRunner
-from replica.request import FinishReason, SamplingParams
+from replica.model.fake import FlatCostModel, LinearCostModel, ScriptedFakeRunner
+from replica.scheduling.request import FinishReason, SamplingParams
 
 
 class ReplicaConfig(BaseModel):
@@ -378,7 +378,7 @@ class AsyncEngine:
                 continue
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 
 from replica.errors import InvariantViolation
-from replica.request import Request
+from replica.scheduling.request import Request
 
 
 class SlotTable:

@@ -36,8 +36,8 @@ from protocol.messages import HealthReport, LoadReport, StreamEvent
 from protocol.telemetry import ReplicaTelemetry
 from replica.engine import RequestOutput, StepRecord
 from replica.errors import InvalidRequestError
-from replica.request import FinishReason, validate_prompt, validate_request_id
-from replica.serving import AsyncEngine, ReplicaConfig, build_engine, report_due
+from replica.scheduling.request import FinishReason, validate_prompt, validate_request_id
+from replica.serving.loop import AsyncEngine, ReplicaConfig, build_engine, report_due
 
 STEP_BATCH = 64  # step samples per store write
 MAX_OUTBOX = 4096  # step messages waiting for a client that does not read; past it its requests are aborted

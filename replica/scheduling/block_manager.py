@@ -18,8 +18,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from replica.errors import InvariantViolation
-from replica.request import Request
-from replica.slot_table import SlotTable
+from replica.scheduling.request import Request
+from replica.scheduling.slot_table import SlotTable
 
 NO_PARENT = -1  # the chain's seed for a request's first block (an int: hash(None) varies between runs)
 

@@ -1,9 +1,10 @@
 """Builds a small C++ extension once with torch's extension tools, or says why it cannot.
 
-Why here: the CPU kernels (`decode_attention`, `fused_ops`) are each a page of C++ compiled for
-this CPU (`-march=native`); the build (about 40 s each, cached under torch's extension
-directory) needs a C++ compiler and ninja, which `make setup` checks. Where a build fails the
-engine keeps to torch's own operators, so a machine without a compiler still serves.
+Why here: the CPU kernels (`decode_attention`, `fused_ops`, `int8_matmul`) are each a page of C++
+(the `.cpp` file of the same name beside its Python wrapper) compiled for this CPU
+(`-march=native`); the build (about 40 s each, cached under torch's extension directory) needs a
+C++ compiler and ninja, which `make setup` checks. Where a build fails the engine keeps to torch's
+own operators, so a machine without a compiler still serves.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from replica.cpu import cpu_info
+from replica.kernels.cpu import cpu_info
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +43,16 @@ def build(name: str, source: str, functions: list[str]) -> ModuleType | None:
 
 
 class CpuExtension:
-    """One C++ extension of CPU kernels, built on first use (once per process)."""
+    """One C++ extension of CPU kernels (`<name>.cpp` in this folder), built on first use (once per
+    process)."""
 
-    def __init__(self, name: str, source: str, functions: list[str]):
-        self.name, self.source, self.functions = name, source, functions
+    def __init__(self, name: str, functions: list[str]):
+        self.name, self.functions = name, functions
+        self.source_path = Path(__file__).with_name(f"{name}.cpp")
 
     @functools.cached_property
     def module(self) -> ModuleType | None:
-        return build(self.name, self.source, self.functions)
+        return build(self.name, self.source_path.read_text(), self.functions)
 
     def available(self, device: torch.device | str) -> bool:
         """Built here, and `device` is the CPU (the kernels run on CPU tensors only)."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from replica import decode_attention as kernel
+from replica.kernels import decode_attention as kernel
 
 # Decode rows through the C++ kernel where it is built (a switch so benchmarks can measure without it).
 USE_DECODE_KERNEL = True
