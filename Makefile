@@ -1,6 +1,6 @@
 # Two commands, each setting up what it needs first (idempotent):
 #   make run    a 3-minute routing comparison (round_robin against least_loaded, 4 fake replicas)
-#   make test   the test suite
+#   make test   the test suite, then the documentation site (mkdocs --strict)
 VENV    ?= .venv
 PYTHON  ?= python3
 PY      := $(VENV)/bin/python
@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.setup-done
 # pick the CUDA build that pyproject.toml's `torch>=2.5` admits.
 TORCH   ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 
-.PHONY: setup run test bench peers guidellm clean
+.PHONY: setup run test docs bench peers guidellm clean
 
 setup: $(STAMP)
 
@@ -29,13 +29,20 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: setup
-	$(VENV)/bin/slotserve run --workload heavy-tail --requests 100 --replicas 4 --num-cpus 0.5 --slots 4 \
-		--fake-step 0.05 --load 1.0 --routing round_robin least_loaded --repeats 3 --slo-ttft 1.0 --slo-tpot 0.125
+	$(VENV)/bin/slotserve run --workload kv-pressure --requests 100 --load 0.8 --repeats 3 \
+		--routing precise_prefix round_robin power_of_two --replicas 4 --num-cpus 0.25 --slots 8 \
+		--max-seq-len 1536 --policy chunked --kv-cache paged --prefix-caching --kv-budget-tokens 5632 \
+		--fake-cost workloads/experiments/cost_model.json --fake-cost-scale 0.0625 --slo-ttft 0.5 --slo-tpot 0.05
 
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+
+# The docs' generated reference pages and results tables, from the code and the committed results.
+docs: setup
+	$(PY) docs/generate.py
 
 bench: setup
 	$(PY) benchmarks/slot_efficiency.py

@@ -74,7 +74,7 @@ from replica.errors import ConfigError
 from replica.model.loader import DEFAULT_MODEL
 from replica.scheduling.policies import POLICIES
 from router.policies import DEFAULT_POLICY
-from sim.calibrate import calibrate, calibrate_from_store, calibration_machine, fit, grid, measure
+from sim.calibration import calibrate, calibrate_from_store, calibration_machine, fit, grid, measure
 from sim.cost_model import FittedCostModel
 from sim.replay import ReplayResult, replay
 from sim.simulator import SimulationConfig, cost_description, record_simulation, simulate
@@ -284,13 +284,13 @@ def run_batching(
     import torch
 
     from replica.model.runner import ModelRunner
-    from sim.compare import measure_decode_capacity
+    from sim.batching_comparison import measure_capacity
 
     torch.set_num_threads(threads)
     probes = grid(SLOTS, quick)
     probe_len = max(c.prompt_len + c.max_tokens for c in probes)
     runner = ModelRunner(base.model_copy(update={"num_slots": SLOTS, "max_seq_len": max(MAX_SEQ_LEN, probe_len)}))
-    capacity = measure_decode_capacity(runner, SLOTS, MAX_SEQ_LEN)  # also warms the runner up
+    capacity = measure_capacity(runner, SLOTS, MAX_SEQ_LEN).decode_tokens_per_s  # also warms the runner up
     costs = {}
     if grid_cost is None:
         print("calibrating on the probe grid (1 replica)", flush=True)
@@ -552,7 +552,7 @@ def describe_cost(cost: FittedCostModel) -> str:
 
 
 def write_markdown(path: Path, result: Fidelity, info: dict) -> None:
-    from experiments.report import machine_line  # the experiment reports' wording
+    from experiments.experiment_report import machine_line  # the experiment reports' wording
 
     lines = [
         "# Simulator fidelity",

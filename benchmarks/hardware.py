@@ -31,6 +31,7 @@ from peers.roofline import bandwidth, matmul_flops
 from replica.config import EngineConfig
 from replica.engine import Engine
 from replica.kernels.cpu import cpu_info
+from replica.model.decoder import Decoder
 from replica.model.runner import ModelRunner
 
 MODEL = "smollm2-135m"
@@ -125,6 +126,11 @@ def _with(switch, step):
     return lambda: (switch(), step())
 
 
+def _use(runner: ModelRunner, model: Decoder):
+    """A switch that puts `model` (a variant of the runner's own, same weights) on the runner."""
+    return lambda: setattr(runner, "model", model)
+
+
 def _decode_engine(runner: ModelRunner, batch: int, steps: int, scattered: bool = False) -> Engine:
     """An engine on `runner` with `batch` requests decoding (prefilled already); `scattered`: they
     hold slots spread over the runner's whole cache, as the last requests of a big batch do."""
@@ -149,48 +155,54 @@ def _drain(engine: Engine) -> None:
         engine.step()
 
 
-def switched(runner: ModelRunner, reps: int, steps: int, what: str, switch, cases) -> list[dict]:
-    """Decode steps with one switch off ("without") and on ("with"), in turns, for each (batch,
-    scattered) case; the switch is left on."""
-    rows = []
+def switched(runner: ModelRunner, reps: int, steps: int, what: str, without: Decoder, cases) -> list[dict]:
+    """Decode steps on `without` (the runner's model built with one option off) and on the
+    runner's own model ("with"), in turns, for each (batch, scattered) case; the runner keeps its
+    own model after."""
+    own, rows = runner.model, []
     for batch, scattered in cases:
         engine = _decode_engine(runner, batch, steps, scattered=scattered)
-        variants = {"off": _with(lambda: switch(False), engine.step), "on": _with(lambda: switch(True), engine.step)}
-        t = in_turns(variants, reps)
+        t = in_turns(
+            {"off": _with(_use(runner, without), engine.step), "on": _with(_use(runner, own), engine.step)}, reps
+        )
+        runner.model = own
         where = f"B={batch} in {runner.cache.num_slots} slots" if scattered else f"B={batch}"
         rows.append({"what": f"{what} (decode step, {where})", "without": t["off"], "with": t["on"]})
-        switch(True)
         _drain(engine)
     return rows
 
 
-def decode_kernel(runner: ModelRunner, reps: int, steps: int) -> list[dict]:
-    """The C++ decode attention kernel against SDPA, for contiguous and scattered groups."""
-    import replica.model.attention as attention
+def two_runners(without: ModelRunner, with_: ModelRunner, reps: int, steps: int, what: str, cases) -> list[dict]:
+    """Decode steps on one runner ("without") and on another built with one option more ("with"),
+    in turns, for each (batch, scattered) case."""
+    rows = []
+    for batch, scattered in cases:
+        a, b = _decode_engine(without, batch, steps, scattered), _decode_engine(with_, batch, steps, scattered)
+        t = in_turns({"without": a.step, "with": b.step}, reps)
+        where = f"B={batch} in {without.cache.num_slots} slots" if scattered else f"B={batch}"
+        rows.append({"what": f"{what} (decode step, {where})", **t})
+        _drain(a), _drain(b)
+    return rows
 
-    return switched(
-        runner,
-        reps,
-        steps,
-        "C++ decode attention kernel instead of SDPA",
-        lambda on: setattr(attention, "USE_DECODE_KERNEL", on),
-        ((8, False), (64, False), (16, True)),
-    )
+
+# The Decoder's C++ kernel options, what their rows say, and the (batch, scattered) cases measured.
+KERNEL_OPTIONS = (
+    ("decode_kernel", "C++ decode attention kernel instead of SDPA", ((8, False), (64, False), (16, True))),
+    ("fused_ops", "per-layer C++ kernels instead of torch's operators", ((1, False), (8, False), (64, False))),
+)
 
 
-def fused_kernels(runner: ModelRunner, reps: int, steps: int) -> list[dict]:
-    """The per-layer C++ kernels (RMSNorm, RoPE with the cache write, SiLU times up;
-    `replica.kernels.fused_ops`) against torch's operators; none where they are not built here."""
-    if not runner.model.fused:
-        return []
-    return switched(
-        runner,
-        reps,
-        steps,
-        "per-layer C++ kernels instead of torch's operators",
-        lambda on: setattr(runner.model, "fused", on),
-        ((1, False), (8, False), (64, False)),
-    )
+def kernels(runner: ModelRunner, hf, reps: int, steps: int) -> list[dict]:
+    """Each C++ kernel against torch's operators, on a decoder built with that option off: the
+    decode attention kernel against SDPA for contiguous and scattered groups, the per-layer
+    kernels (RMSNorm, RoPE with the cache write, SiLU times up; `replica.kernels.fused_ops`);
+    none for a kernel not built here."""
+    rows = []
+    for option, what, cases in KERNEL_OPTIONS:
+        if getattr(runner.model, option):  # asked for and built here
+            without = Decoder.from_hf(hf, runner.model.dtype, "cpu", **{option: False})
+            rows += switched(runner, reps, steps, what, without, cases)
+    return rows
 
 
 def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
@@ -200,9 +212,7 @@ def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
     scattered decode group holds, torch's thread count (decode steps of the real engine), fused
     QKV and gate/up projections, one batched attention call against a loop over sequences, the
     C++ decode attention kernel against SDPA, the per-layer C++ kernels against torch's operators."""
-    import replica.model.attention as attention
     from replica.model.attention import AttentionMetadata, build_group, slot_attention
-    from replica.model.decoder import Decoder
     from replica.model.linear import Linear
     from replica.model.loader import load_hf_model
 
@@ -211,25 +221,18 @@ def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
     name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
     if dtype == torch.bfloat16:
         fp32 = ModelRunner(EngineConfig(model=MODEL, dtype="float32", num_slots=64, max_seq_len=256))
-        for batch in (1, 8, 64):
-            a, b = _decode_engine(fp32, batch, steps), _decode_engine(runner, batch, steps)
-            t = in_turns({"fp32": a.step, "bf16": b.step}, reps)
-            rows.append(
-                {
-                    "what": f"bf16 weights instead of fp32 (decode step, B={batch})",
-                    "without": t["fp32"],
-                    "with": t["bf16"],
-                }
-            )
-            _drain(a), _drain(b)
+        rows += two_runners(
+            fp32, runner, reps, steps, "bf16 weights instead of fp32", ((1, False), (8, False), (64, False))
+        )
         del fp32
     plain = Decoder.from_hf(hf, dtype, "cpu", pack_weights=False)
     int8 = Decoder.from_hf(hf, dtype, "cpu", int8_rows=64)
     packed = runner.model
-    use = lambda model: lambda: setattr(runner, "model", model)
     for batch in (1, 8, 64):
         engine = _decode_engine(runner, batch, steps)
-        t = in_turns({"plain": _with(use(plain), engine.step), "packed": _with(use(packed), engine.step)}, reps)
+        t = in_turns(
+            {"plain": _with(_use(runner, plain), engine.step), "packed": _with(_use(runner, packed), engine.step)}, reps
+        )
         rows.append(
             {
                 "what": f"prepacked oneDNN {name} matrices (decode step, B={batch})",
@@ -253,34 +256,25 @@ def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
         _drain(engine)
     for batch in (1, 4, 8, 16):
         engine = _decode_engine(runner, batch, steps)
-        t = in_turns({"dense": _with(use(packed), engine.step), "int8": _with(use(int8), engine.step)}, reps)
+        t = in_turns(
+            {"dense": _with(_use(runner, packed), engine.step), "int8": _with(_use(runner, int8), engine.step)}, reps
+        )
         rows.append(
             {"what": f"weight-only int8 copies (decode step, B={batch})", "without": t["dense"], "with": t["int8"]}
         )
         runner.model = packed
         _drain(engine)
-    rows += decode_kernel(runner, reps, steps)
-    rows += fused_kernels(runner, reps, steps)
-    spread = attention.GATHER_SPREAD
-    attention.USE_DECODE_KERNEL = False  # the rows below measure SDPA's layouts; the kernel needs none
-    for batch in (4, 16):
-        engine = _decode_engine(runner, batch, steps, scattered=True)
-        t = in_turns(
-            {
-                "range": _with(lambda: setattr(attention, "GATHER_SPREAD", 10**9), engine.step),
-                "gather": _with(lambda: setattr(attention, "GATHER_SPREAD", spread), engine.step),
-            },
-            reps,
-        )
-        rows.append(
-            {
-                "what": f"attention over the held slots only, not their range (decode step, B={batch} in 64 slots)",
-                "without": t["range"],
-                "with": t["gather"],
-            }
-        )
-        attention.GATHER_SPREAD = spread
-        _drain(engine)
+    rows += kernels(runner, hf, reps, steps)
+    # SDPA's layouts (the decode kernel needs none), on a runner that never gathers and on one that does
+    sdpa = EngineConfig(model=MODEL, dtype=runner.dtype, num_slots=64, max_seq_len=256, decode_kernel=False)
+    rows += two_runners(
+        ModelRunner(sdpa, gather_spread=10**9),
+        ModelRunner(sdpa),
+        reps,
+        steps,
+        "attention over the held slots only, not their range",
+        ((4, True), (16, True)),
+    )
     s = runner.model.shape
     x = torch.randn(64, s.hidden_size)
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -311,7 +305,9 @@ def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
             qi = qs[i].view(s.num_kv_heads, q_per_kv, s.head_dim)
             torch.nn.functional.scaled_dot_product_attention(qi, kc[i, :, : p + 1], vc[i, :, : p + 1])
 
-    t = in_turns({"loop": per_sequence, "batched": lambda: slot_attention(qs, kc, vc, meta)}, reps * 4)
+    t = in_turns(
+        {"loop": per_sequence, "batched": lambda: slot_attention(qs, kc, vc, meta, decode_kernel=False)}, reps * 4
+    )
     rows.append(
         {
             "what": "batched attention, one call per group (one layer, B=64, context 60-140)",
@@ -319,7 +315,6 @@ def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
             "with": t["batched"],
         }
     )
-    attention.USE_DECODE_KERNEL = True
     return rows
 
 

@@ -28,25 +28,26 @@ from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
 from cluster.driver import run_workload
 from experiments.backends import measure_capacity
 from metrics.definitions import SLO
-from metrics.report import analyze
+from metrics.goodput_report import analyze
 from metrics.store import MetricsStore
+from protocol.routing import RouteRequest
 from replica.config import EngineConfig
 from replica.serving.loop import ReplicaConfig
 from workloads.standard import at_load
 
 
-def _route(i: int) -> tuple:
-    return (f"rate-{uuid.uuid4().hex[:8]}-{i}", 32, 32, None, None, (), 16)
+def _route(i: int) -> RouteRequest:
+    return RouteRequest(f"rate-{uuid.uuid4().hex[:8]}-{i}", 32, 32)
 
 
 def _local_rate(n: int) -> float:
     with Client(routing="local") as client:
-        local = client._local
+        local = client.local_router
         start = time.perf_counter()
         for i in range(n):
             route = _route(i)
             local.route_many([route])
-            local.complete(route[0], 32, None)
+            local.complete(route.request_id, output_len=32)
         return n / (time.perf_counter() - start)
 
 
@@ -55,7 +56,7 @@ def _actor_rate(router, n: int, burst: int) -> float:
     for k in range(0, n, burst):
         routes = [_route(k + j) for j in range(burst)]
         ray.get(router.route_many.remote(routes))
-        ray.get([router.complete.remote(r[0], None, 32) for r in routes])
+        ray.get([router.complete.remote(r.request_id, None, 32) for r in routes])
     return n / (time.perf_counter() - start)
 
 

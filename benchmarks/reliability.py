@@ -128,15 +128,15 @@ def chaos_run(
                 except ray.exceptions.RayError:  # restarting after an earlier kill
                     pass
             if kind == "node":
-                busy = {i["node_id"] for i in infos.values()}
+                busy = {i.node_id for i in infos.values()}
                 node = next(w for w in workers if w.node_id in busy)
                 workers.remove(node)
                 cluster.remove_node(node)
                 stats.kills.append(
-                    f"node {node.node_id[:8]} ({sum(i['node_id'] == node.node_id for i in infos.values())} replicas)"
+                    f"node {node.node_id[:8]} ({sum(i.node_id == node.node_id for i in infos.values())} replicas)"
                 )
             else:
-                victim = max(infos, key=lambda r: infos[r]["load"].running)
+                victim = max(infos, key=lambda r: infos[r].load.running)
                 ray.kill(deployment.replicas[victim], no_restart=False)
                 stats.kills.append(victim)
 
@@ -247,8 +247,8 @@ def overload_run(
             stats.retry_after_p50 = percentile(retry_afters, 50)
             stats.ttft_p50, stats.ttft_p99 = percentile(ttfts, 50), percentile(ttfts, 99)
             infos = [ray.get(h.info.remote()) for h in deployment.replicas.values()]
-            stats.peak_queue = max(i["peak_queued"] for i in infos)
-            stats.replica_peak_rss_mb = max(i["peak_rss_mb"] for i in infos)
+            stats.peak_queue = max(i.peak_queued for i in infos)
+            stats.replica_peak_rss_mb = max(i.peak_rss_mb for i in infos)
             stats.client_peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             stats.after_ok = client.generate([1, 2, 3], max_tokens=8, ignore_eos=True).token_ids == FAKE.continuation(
                 [1, 2, 3], 8

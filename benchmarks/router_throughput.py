@@ -98,7 +98,7 @@ def burst_rate(router, burst: int, calls: int) -> float:
 
     start = time.perf_counter()
     for c in range(calls):
-        ray.get(router.route_many.remote([(f"m{c}-{i}", 32, 64, None) for i in range(burst)]))
+        ray.get(router.route_many.remote([RouteRequest(f"m{c}-{i}", 32, 64) for i in range(burst)]))
     elapsed = time.perf_counter() - start
     ray.get([router.complete.remote(f"m{c}-{i}") for c in range(calls) for i in range(burst)])
     return calls * burst / elapsed

@@ -27,7 +27,7 @@ from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
 from cluster.driver import run_workload
 from experiments.backends import measure_capacity
 from metrics.definitions import SLO
-from metrics.report import analyze, format_report
+from metrics.goodput_report import analyze, format_report
 from metrics.store import MetricsStore
 from replica.config import EngineConfig
 from replica.serving.loop import ReplicaConfig

@@ -22,11 +22,10 @@ import time
 
 import ray
 
-from cluster.telemetry import ReplicaExporter
+from cluster.prometheus_exporters import ReplicaExporter
 from metrics.definitions import SLO
-from protocol.telemetry import ReplicaTelemetry
+from protocol.telemetry_hooks import ReplicaTelemetry
 from replica import Engine, EngineConfig
-from replica.serving.loop import load_report
 
 
 def saturated_engine(engine: Engine, hooks: ReplicaTelemetry, ids: itertools.count, rng: random.Random) -> None:
@@ -57,7 +56,7 @@ def run_arms(engine: Engine, pairs: int) -> dict[str, list[float]]:
                 hooks.on_finish(output)
         if result.record is not None:
             hooks.on_step(result.record)
-        hooks.on_load(load_report(engine, "bench"))
+        hooks.on_load(engine.load_report("bench"))
         saturated_engine(engine, hooks, ids, rng)
         times[name].append(time.perf_counter() - started)
     return times

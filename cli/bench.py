@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from cli.help import RawDescriptionDefaultsHelpFormatter
 from peers import engine_speed
 from replica.model.loader import DEFAULT_MODEL
 
@@ -13,9 +14,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "bench",
         help="slotserve's engine against vLLM and transformers on this machine",
         description=engine_speed.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=RawDescriptionDefaultsHelpFormatter,
     )
-    b.add_argument("--model", default=DEFAULT_MODEL, help=f"model (default {DEFAULT_MODEL})")
+    b.add_argument("--model", default=DEFAULT_MODEL, help="model")
     b.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
     b.add_argument(
         "--dtypes",
@@ -29,10 +30,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=1,
         metavar="N",
         help="also run with weight-only int8 copies for steps of at most N rows, on the dtype `auto` "
-        "picks here (default 1; 0: not run)",
+        "picks here (0: not run)",
     )
-    b.add_argument("--requests", type=int, default=48, help="saturated requests (default 48, the standard workload)")
-    b.add_argument("--slots", type=int, nargs="+", default=[16, 32, 64], help="slot counts (default 16 32 64)")
+    b.add_argument("--requests", type=int, default=48, help="saturated requests (48: the standard workload)")
+    b.add_argument("--slots", type=int, nargs="+", default=[16, 32, 64], help="slot counts")
     b.add_argument("--policies", nargs="+", default=["continuous", "chunked"], help="slotserve batching policies")
     b.add_argument(
         "--decode-batches",

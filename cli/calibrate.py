@@ -8,7 +8,7 @@ from pathlib import Path
 
 from replica.errors import ConfigError
 from replica.model.loader import DEFAULT_MODEL
-from sim.calibrate import DEFAULT_OUT, calibrate, calibrate_from_store, format_fit
+from sim.calibration import DEFAULT_OUT, calibrate, calibrate_from_store, format_fit
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,21 +53,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULT_MODEL,
         help="built-in model (smollm2-135m, gpt2-small-random) or a local Hugging Face directory",
     )
-    p.add_argument("--slots", type=int, default=8, help="largest decode batch measured (default: %(default)s)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--slots", type=int, default=8, help="largest decode batch measured")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the dtype measured")
     p.add_argument("--device", default="auto", help='"auto" takes cuda when present')
     p.add_argument(
         "--threads",
         type=int,
         default=1,
-        help="torch threads: a cluster replica runs as many as its Ray num_cpus, 1 by default (default: %(default)s)",
+        help="torch threads: a cluster replica runs as many as its Ray num_cpus",
     )
     p.add_argument(
         "--replicas",
         type=int,
         default=1,
         help="measure this many replicas side by side, one process each (the step times of an N-replica "
-        "cluster sharing this machine; default: %(default)s)",
+        "cluster sharing this machine)",
     )
     p.add_argument(
         "--from-store",
@@ -77,7 +77,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="fit to the recorded steps of real runs in this metrics store (with --runs); measures nothing",
     )
     p.add_argument("--runs", type=int, nargs="+", default=[], metavar="ID", help="the run ids for --from-store")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON file to write (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON file to write")
     p.add_argument("--quick", action="store_true", help="a smaller grid (under a minute; a rougher fit)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the measured prompts")
     p.set_defaults(func=run)

@@ -1,4 +1,5 @@
-"""Options several commands share (engine, cache, cluster, address), one definition each."""
+"""Options several commands share (engine, cache, cluster, address), one definition each; their
+defaults are the config models' own (`EngineConfig`, `ReplicaConfig`, `protocol.defaults`)."""
 
 from __future__ import annotations
 
@@ -6,23 +7,36 @@ import argparse
 from pathlib import Path
 
 from metrics.store import DEFAULT_STORE
+from protocol import defaults
+from replica.config import EngineConfig
 from replica.scheduling.policies import POLICIES
+from replica.serving.loop import ReplicaConfig
+
+
+def engine_default(field: str):
+    """EngineConfig's default for `field`: a flag left out builds the engine `EngineConfig()` builds."""
+    return EngineConfig.model_fields[field].default
 
 
 def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
-        default="smollm2-135m",
+        default=engine_default("model"),
         help="built-in model (smollm2-135m, gpt2-small-random) or a local Hugging Face directory",
     )
     p.add_argument(
         "--dtype",
-        choices=["auto", "float32", "bfloat16"],
-        default="auto",
-        help="auto (default): bfloat16 on a GPU or a CPU with AVX512_BF16/AMX, else float32",
+        choices=defaults.DTYPES,
+        default=engine_default("dtype"),
+        help="auto: bfloat16 on a GPU or a CPU with AVX512_BF16/AMX, else float32",
     )
-    p.add_argument("--device", default="auto", help='"auto" takes cuda when present')
-    p.add_argument("--slots", type=int, default=8, help="K/V cache slots = most requests running at once")
+    p.add_argument("--device", default=engine_default("device"), help='"auto" takes cuda when present')
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=engine_default("num_slots"),
+        help="K/V cache slots = most requests running at once",
+    )
 
 
 def cache_flags(p: argparse.ArgumentParser) -> None:
@@ -37,11 +51,24 @@ def cache_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="paged: requests share the K/V blocks of identical prompt prefixes",
     )
+    p.add_argument("--block-size", type=int, default=engine_default("block_size"), help="paged: K/V tokens per block")
+    p.add_argument(
+        "--kv-budget-tokens",
+        type=int,
+        default=engine_default("kv_budget_tokens"),
+        metavar="TOKENS",
+        help="paged: K/V tokens the replica's block pool holds (default: slots x max-seq-len)",
+    )
 
 
 def cache_args(args: argparse.Namespace) -> dict:
     """The engine's K/V cache fields from the command line."""
-    return {"kv_cache": args.kv_cache, "prefix_caching": args.prefix_caching}
+    return {
+        "kv_cache": args.kv_cache,
+        "prefix_caching": args.prefix_caching,
+        "block_size": args.block_size,
+        "kv_budget_tokens": args.kv_budget_tokens,
+    }
 
 
 def running_cluster(address: str | None) -> bool:
@@ -74,7 +101,9 @@ def cluster_spec(args: argparse.Namespace):
     )
     return ClusterSpec(
         num_replicas=args.replicas,
-        replica=ReplicaConfig(engine=engine, fake_step_seconds=args.fake_step, max_queue=args.max_queue),
+        replica=ReplicaConfig(
+            engine=engine, fake_step_seconds=args.fake_step, fake_cost=fake_cost(args), max_queue=args.max_queue
+        ),
         routing_policy=args.routing[0],
         num_cpus_per_replica=args.num_cpus,
         num_gpus_per_replica=args.num_gpus,
@@ -84,9 +113,36 @@ def cluster_spec(args: argparse.Namespace):
     )
 
 
+def fake_cost(args: argparse.Namespace):
+    """The work-priced fake model's step prices: --fake-cost's fitted cost model x --fake-cost-scale
+    (None without --fake-cost)."""
+    if args.fake_cost is None:
+        return None
+    if args.fake_step is not None:
+        raise SystemExit("give --fake-step (a flat step) or --fake-cost (a step priced by its work), not both")
+    from sim.cost_model import FittedCostModel
+
+    try:
+        return FittedCostModel.load(args.fake_cost).scaled(args.fake_cost_scale)
+    except ValueError as err:  # ConfigError: no file there, or not a cost model
+        raise SystemExit(f"--fake-cost: {err}") from None
+
+
+def model_label(replica: ReplicaConfig) -> str:
+    """What the replicas serve, in words: the model, or which fake one."""
+    if replica.fake_step_seconds is not None:
+        return "fake flat-cost model"
+    return "fake work-priced model" if replica.fake_cost is not None else replica.engine.model
+
+
 def cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=2, help="replica actors")
-    p.add_argument("--policy", choices=list(POLICIES), default="continuous", help="batching policy of every replica")
+    p.add_argument(
+        "--policy",
+        choices=list(POLICIES),
+        default=engine_default("policy"),
+        help="batching policy of every replica",
+    )
     p.add_argument(
         "--routing",
         nargs="+",
@@ -94,7 +150,7 @@ def cluster_args(p: argparse.ArgumentParser) -> None:
         metavar="POLICY",
         help="routing policy (run: one run per policy, same traffic)",
     )
-    p.add_argument("--max-seq-len", type=int, default=640, help="K/V tokens per slot")
+    max_seq_len_arg(p)
     p.add_argument(
         "--fake-step",
         type=float,
@@ -102,21 +158,43 @@ def cluster_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="serve the flat-cost fake model (each step this long) instead of --model",
     )
+    p.add_argument(
+        "--fake-cost",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="serve the fake model with each step priced by its work: a cost model `slotserve calibrate` wrote",
+    )
+    p.add_argument(
+        "--fake-cost-scale", type=float, default=1.0, metavar="X", help="--fake-cost's step prices times this"
+    )
     p.add_argument("--num-cpus", type=float, default=1.0, help="Ray CPUs per replica (= its torch threads)")
     p.add_argument("--num-gpus", type=float, default=0.0, help="Ray GPUs per replica (1 = model on cuda)")
     p.add_argument("--store", type=Path, default=DEFAULT_STORE, help="metrics store file (SQLite)")
     p.add_argument(
-        "--max-queue", type=int, default=256, help="requests a replica holds waiting for a slot; past it: overloaded"
+        "--max-queue",
+        type=int,
+        default=ReplicaConfig.model_fields["max_queue"].default,
+        help="requests a replica holds waiting for a slot; past it: overloaded",
     )
     p.add_argument(
         "--max-in-flight",
         type=int,
-        default=512,
+        default=defaults.MAX_IN_FLIGHT_PER_REPLICA,
         help="requests the router keeps in flight per replica; past it on every replica: overloaded",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of random routing choices (run: and of the workload)")
     engine_args(p)
     cache_flags(p)
+
+
+def max_seq_len_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=engine_default("max_seq_len"),
+        help="K/V tokens per slot",
+    )
 
 
 def address_arg(p: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ DEFAULT_OUT = Path("results")
 
 def run(args: argparse.Namespace) -> int:
     from metrics.definitions import SLO
-    from sim.compare import compare_policies, format_comparison
+    from sim.batching_comparison import compare_policies, format_comparison
 
     out_dir = args.out / time.strftime("compare-%Y%m%d-%H%M%S")
     report = compare_policies(
@@ -43,13 +43,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Replay one seeded workload through each batching policy on one in-process replica "
         "of a real model; print a table and write traces, steps, summary and a plot.",
     )
-    c.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
-    c.add_argument("--workload", choices=["long-prompts", "bursty-mix", "saturated"], default="long-prompts")
+    c.add_argument(
+        "--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES), help="batching policies compared"
+    )
+    c.add_argument(
+        "--workload",
+        choices=["long-prompts", "bursty-mix", "saturated"],
+        default="long-prompts",
+        help="standard workload",
+    )
     c.add_argument("--requests", type=int, default=24, help="requests in the workload")
     c.add_argument("--load", type=float, default=0.8, help="arrival rate as a multiple of measured decode capacity")
     c.add_argument("--token-budget", type=int, default=64, help="per-step token budget of the chunked policy")
-    c.add_argument("--max-seq-len", type=int, default=640, help="K/V tokens per slot")
-    c.add_argument("--seed", type=int, default=0)
+    common.max_seq_len_arg(c)
+    c.add_argument("--seed", type=int, default=0, help="workload seed")
     c.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT limit (s) for goodput")
     c.add_argument("--slo-tpot", type=float, default=0.25, help="TPOT limit (s) for goodput")
     c.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for results")

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import ray
 
+from cli.help import RawDescriptionDefaultsHelpFormatter
+from experiments.experiment_report import against_serve, format_summary, prefix_ceilings, summarize_runs, write_report
 from experiments.plan import plan_experiment
-from experiments.report import against_serve, format_summary, prefix_ceilings, summarize_runs, write_report
 from experiments.run import run_experiment
 from metrics.store import DEFAULT_STORE
 from replica.errors import ConfigError
@@ -110,7 +111,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "experiment",
         help="run an experiment file (a sweep of policies and loads) and report it",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=RawDescriptionDefaultsHelpFormatter,
         epilog=EXAMPLE,
         description="Run every cell of an experiment file (TOML or YAML: a workload, the cluster, the axes to\n"
         "sweep, the SLO, the plots) on a Ray cluster started for it, or with --simulate in the\n"
@@ -125,9 +126,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="run the cells in the simulator (cost model: cluster.cost_model, or the fake model's flat "
         "step); runs are marked simulated",
     )
-    p.add_argument(
-        "--store", type=Path, default=DEFAULT_STORE, metavar="PATH", help="metrics store file (default: %(default)s)"
-    )
+    p.add_argument("--store", type=Path, default=DEFAULT_STORE, metavar="PATH", help="metrics store file")
     p.add_argument(
         "--out",
         type=Path,

@@ -9,16 +9,15 @@ import sys
 from pydantic import ValidationError
 
 from cli import bench, calibrate, compare, dashboard, down, experiment, generate, report, run, serve, status, top, up
+from cli.help import Parser
 from protocol.errors import SlotServeError
 
 COMMANDS = (generate, compare, up, down, status, top, run, report, experiment, bench, calibrate, serve, dashboard)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="slotserve", description="Serve LLMs with pluggable batching policies and compare them."
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = Parser(prog="slotserve", description="Serve LLMs with pluggable batching policies and compare them.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     for command in COMMANDS:
         command.add_parser(sub)
     return parser

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from metrics.definitions import SLO
-from metrics.report import analyze, format_report, resolve_run, to_csv
+from metrics.goodput_report import analyze, format_report, resolve_run, to_csv
 from metrics.store import DEFAULT_STORE, MetricsStore, StoreError
 
 
@@ -44,15 +44,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "efficiency, preemptions, rejected and failed requests, and the imbalance across replicas.",
     )
     p.add_argument("runs", nargs="+", metavar="RUN", help="run id, or 'latest' for the most recently begun run")
-    p.add_argument(
-        "--store", type=Path, default=DEFAULT_STORE, metavar="PATH", help="metrics store file (default: %(default)s)"
-    )
-    p.add_argument(
-        "--slo-ttft", type=float, default=SLO.ttft, metavar="S", help="TTFT limit in seconds (default: %(default)s)"
-    )
-    p.add_argument(
-        "--slo-tpot", type=float, default=SLO.tpot, metavar="S", help="TPOT limit in seconds (default: %(default)s)"
-    )
+    p.add_argument("--store", type=Path, default=DEFAULT_STORE, metavar="PATH", help="metrics store file")
+    p.add_argument("--slo-ttft", type=float, default=SLO.ttft, metavar="S", help="TTFT limit in seconds")
+    p.add_argument("--slo-tpot", type=float, default=SLO.tpot, metavar="S", help="TPOT limit in seconds")
     p.add_argument(
         "--slo-e2e",
         type=float,

@@ -37,30 +37,32 @@ def run(args: argparse.Namespace) -> int:
             config=spec.model_dump() if owned else {"cluster": "already running"},
             repeats=args.repeats,
         )
+        store_path = Path(ray.get(deployment.store.path.remote(), timeout=60))
     finally:
         if owned:
             stop_cluster()
     ray.shutdown()
-    if owned:
-        from metrics.plots import plot_cluster_runs
-        from metrics.store import MetricsStore
-
-        plot = plot_cluster_runs(
-            MetricsStore(args.store), run_ids, Path(args.store).parent / f"runs-{run_ids[0]}-{run_ids[-1]}.png"
-        )
-        print(f"recorded runs {', '.join(map(str, run_ids))} in {Path(args.store).resolve()}; plot: {plot}")
-    else:
-        print(f"recorded runs {', '.join(map(str, run_ids))} in the running cluster's store")
+    runs = ", ".join(map(str, run_ids))
+    if not store_path.exists():  # the cluster's store lives on another machine (its head node)
+        print(f"recorded runs {runs} in {store_path} on the Ray cluster's head node (`slotserve report` there)")
+        return 0
     slo = SLO(args.slo_ttft, args.slo_tpot)
     if args.report:
-        report.print_reports(args.store, list(map(str, run_ids)), slo)
-    print_verdict(args.store, run_ids, slo)
+        report.print_reports(store_path, list(map(str, run_ids)), slo)
+    print_verdict(store_path, run_ids, slo)
+    from metrics.plots import plot_cluster_runs
+    from metrics.store import MetricsStore
+
+    plot = plot_cluster_runs(
+        MetricsStore(store_path), run_ids, store_path.parent / f"runs-{run_ids[0]}-{run_ids[-1]}.png"
+    )
+    print(f"\nrecorded runs {runs} in {store_path}; plot: {plot}")
     return 0
 
 
 def print_verdict(store_path: Path, run_ids: list[int], slo: SLO) -> None:
     """Each policy's median and spread over its rounds, then the verdict line."""
-    from metrics.report import analyze
+    from metrics.goodput_report import analyze
     from metrics.store import MetricsStore
     from metrics.verdict import verdict_line, verdict_table
 
@@ -78,20 +80,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r = subparsers.add_parser(
         "run",
         help="replay a workload through the cluster and record it",
-        description="Measure the cluster's capacity, then replay one seeded workload once per --routing "
-        "policy, recording every request, token, step and routing decision in the store. "
+        description="Measure the cluster's capacity (saturating probes, announced and shown on a progress bar; "
+        "not recorded), then replay one seeded workload once per --routing policy, recording every request, "
+        "token, step and routing decision in the store, whose path is the last line printed. "
         "Uses the running cluster, or starts one for this run from the options below.",
     )
     common.address_arg(r)
     r.add_argument(
         "--workload",
-        choices=["bursty-mix", "long-prompts", "saturated", "heavy-tail", "shared-prefix"],
+        choices=["bursty-mix", "long-prompts", "saturated", "heavy-tail", "shared-prefix", "kv-pressure", "zero-reuse"],
         default="bursty-mix",
+        help="standard workload replayed",
     )
     r.add_argument("--repeats", type=int, default=1, help="rounds of every --routing policy (for the spread)")
     r.add_argument("--slo-ttft", type=float, default=SLO.ttft, help="TTFT limit (s) of goodput in the report")
     r.add_argument("--slo-tpot", type=float, default=SLO.tpot, help="TPOT limit (s) of goodput in the report")
-    r.add_argument("--requests", type=int, default=32)
+    r.add_argument("--requests", type=int, default=32, help="requests in the workload")
     r.add_argument("--load", type=float, default=0.8, help="arrival rate as a multiple of measured cluster capacity")
     r.add_argument("--report", action="store_true", help="print the report of the runs at the end")
     common.cluster_args(r)

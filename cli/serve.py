@@ -38,16 +38,15 @@ def build_ingress(deployment, served_name: str | None = None, run_name: str = "s
     replicas = list(deployment.replicas.values())
     info = ray.get(replicas[0].info.remote(), timeout=60)
     routing = ray.get(deployment.router.status.remote(), timeout=60).get("policy", "unknown")
-    fake = info["fake"]
     model = ServedModel(
-        served_name or info["model"],
-        None if fake else load_tokenizer(info["model"]),
-        info["max_request_tokens"],
+        served_name or info.model,
+        None if info.fake else load_tokenizer(info.model),
+        info.max_request_tokens,
         int(time.time()),
     )
-    run_config = {**(config or {}), "ingress": "http", "replica": info.get("config")}
+    run_config = {**(config or {}), "ingress": "http", "replica": info.config}
     recorder = RunRecorder.open(
-        deployment.store, deployment.router, replicas, run_name, run_config, info["policy"], routing, 0
+        deployment.store, deployment.router, replicas, run_name, run_config, info.policy, routing, 0
     )
     return Ingress(Client(), model, recorder)
 
@@ -83,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         print("joined the slotserve cluster running on this Ray cluster", flush=True)
     else:
         spec = common.cluster_spec(args)
-        model = spec.replica.engine.model if spec.replica.fake_step_seconds is None else "fake flat-cost model"
+        model = common.model_label(spec.replica)
         print(f"starting {spec.num_replicas} replicas ({model}) and the router ({spec.routing_policy}) ...", flush=True)
         deployment = start_cluster(spec)
     ingress = build_ingress(deployment, args.served_model_name, args.run_name, {"host": args.host, "port": args.port})
@@ -105,11 +104,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics over HTTP "
         "in front of the slotserve cluster on the Ray cluster at --address (or this machine's); with none "
         "running, start one from the cluster options below, owned by this command. Every request is recorded "
-        "in the metrics store under one run, closed on exit.",
+        "in the metrics store under one run, closed on exit (a refused bad request as `invalid`). Sampling "
+        "defaults are OpenAI's: a request without `temperature` samples at 1.0 (the CLI and the Python client "
+        "default to 0, greedy).",
     )
     common.address_arg(s)
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1: loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
     s.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),

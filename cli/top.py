@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from cli import common
+from protocol.replicas import ReplicaInfo
 
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: each frame replaces the last
 ALT_SCREEN_ON, ALT_SCREEN_OFF = "\x1b[?1049h", "\x1b[?1049l"
@@ -33,13 +34,13 @@ class ReplicaLine:
     report_age: float | None
 
 
-def replica_lines(status: dict, infos: list[dict]) -> list[ReplicaLine]:
+def replica_lines(status: dict, infos: list[ReplicaInfo]) -> list[ReplicaLine]:
     """The router's view of each replica, joined with the replica's own counters."""
-    by_id = {info["replica_id"]: info for info in infos}
+    by_id = {info.replica_id: info for info in infos}
     lines = []
     for replica, view in sorted(status["replicas"].items()):
         report = view["report"] or {}
-        snapshot = by_id.get(replica, {}).get("telemetry", {})
+        snapshot = by_id[replica].telemetry if replica in by_id else {}
         lines.append(
             ReplicaLine(
                 replica,

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from cli import common
+from protocol.errors import SlotServeError
 
 
 def run(args: argparse.Namespace) -> int:
@@ -14,9 +14,13 @@ def run(args: argparse.Namespace) -> int:
     from metrics.definitions import SLO
 
     spec = common.cluster_spec(args).model_copy(update={"slo": SLO(args.slo_ttft, args.slo_tpot)})
-    os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")  # live metrics every second (a Ray started here)
     ensure_ray(args.address, start_local=True)
-    model = spec.replica.engine.model if spec.replica.fake_step_seconds is None else "fake flat-cost model"
+    if router_answers():
+        raise SlotServeError(
+            "a slotserve cluster is already running on this Ray cluster (`slotserve status` shows it): "
+            "`slotserve down` first"
+        )
+    model = common.model_label(spec.replica)
     print(
         f"starting {spec.num_replicas} replicas ({model}, "
         f"{spec.replica.engine.policy} batching) and the router ({spec.routing_policy}) ...",
@@ -28,11 +32,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def router_answers() -> bool:
+    """Whether a slotserve router runs here and answers (one that died for good is recovered by
+    `start_cluster`, its live replicas and store kept)."""
+    import ray
+
+    from cluster.connection import ClusterError, router_handle
+
+    try:
+        ray.get(router_handle().status.remote(), timeout=30)
+    except (ClusterError, ray.exceptions.RayError):
+        return False
+    return True
+
+
 def print_metrics_hint() -> None:
     """Where live metrics are served, and the commands that start Prometheus and Grafana on them."""
     import ray
 
-    from cluster.telemetry import write_service_discovery
+    from cluster.prometheus_exporters import write_service_discovery
     from dashboards.build import HERE, prometheus_config
 
     discovery = write_service_discovery()

@@ -25,17 +25,26 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.client import NAMESPACE, ClusterError, connect, router_handle
+from cluster.connection import NAMESPACE, ClusterError, connect, router_handle, use_token_auth
+from cluster.prometheus_exporters import replica_telemetry, router_telemetry
 from cluster.store_actor import STORE_ACTOR_NAME, StoreActor
-from cluster.telemetry import replica_telemetry, router_telemetry
 from metrics.definitions import SLO
+from metrics.live import EXPORT_INTERVAL_MS
 from metrics.store import DEFAULT_STORE
+from protocol import defaults
+from protocol.replicas import ReplicaInfo, Unreachable
 from replica.serving.actor import ReplicaActor
 from replica.serving.loop import ReplicaConfig
 from router.actor import ROUTER_ACTOR_NAME, RouterActor
 from router.policies import ROUTING_POLICIES
 
 REPLICA_PREFIX = "slotserve-replica-"
+# The replicas and the router export their live metrics at the rate the dashboards assume,
+# whatever export interval the Ray cluster was started with (Ray's default is 10 s).
+METRICS_RUNTIME_ENV = {"env_vars": {"RAY_metrics_report_interval_ms": str(EXPORT_INTERVAL_MS)}}
+# Handles of the actors this process started and owns (not detached): Ray stops an owned actor
+# once its owner holds no handle to it, and the router finds them by name, holding none of ours.
+_owned: dict[str, object] = {}
 READY_TIMEOUT = 600  # seconds: a replica converting the default model on first use takes ~40 s
 
 
@@ -50,7 +59,9 @@ class ClusterSpec(BaseModel):
     store_path: str = str(DEFAULT_STORE)
     seed: int = 0
     replica_max_restarts: int = Field(8, ge=0, description="times Ray restarts a replica that died")
-    max_in_flight_per_replica: int = Field(512, gt=0, description="router bound per replica; past it: overloaded")
+    max_in_flight_per_replica: int = Field(
+        defaults.MAX_IN_FLIGHT_PER_REPLICA, gt=0, description="router bound per replica; past it: overloaded"
+    )
     max_in_flight: int | None = Field(None, gt=0, description="router bound in all (default: per replica x replicas)")
     health_period: float = Field(1.0, gt=0, description="seconds between the router's replica health checks")
 
@@ -102,6 +113,7 @@ def ensure_ray(address: str | None, start_local: bool) -> None:
         )
         connect("auto")
     else:
+        use_token_auth(new_cluster=True)
         ray.init(
             address="local", namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR", include_dashboard=False
         )
@@ -172,6 +184,7 @@ def start_cluster(spec: ClusterSpec, detached: bool = False) -> Deployment:
             num_gpus=spec.num_gpus_per_replica,
             max_restarts=spec.replica_max_restarts,
             scheduling_strategy="SPREAD",
+            runtime_env=METRICS_RUNTIME_ENV,
         ).remote(f"replica-{i}", spec.replica.model_dump(), replica_telemetry(spec.replica, spec.slo))
     for extra in leftovers.values():  # replicas beyond this spec's count
         ray.kill(extra)
@@ -181,14 +194,14 @@ def start_cluster(spec: ClusterSpec, detached: bool = False) -> Deployment:
         **lifetime,
         max_restarts=-1,
         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),  # next to the store, off replica nodes
+        runtime_env=METRICS_RUNTIME_ENV,
     ).remote(
-        # Detached, the router outlives this process, and a restart must not need arguments
-        # this process owned: it finds replicas and store by name. Owned by this process, it
-        # holds their handles, which keeps them alive while the cluster is in use.
-        {rid: f"{REPLICA_PREFIX}{rid.removeprefix('replica-')}" for rid in replicas} if detached else replicas,
+        # By name, never by handle: actor handles among an actor's arguments live in the object
+        # store, and Ray cannot restart an actor whose arguments are gone with their owner.
+        {rid: f"{REPLICA_PREFIX}{rid.removeprefix('replica-')}" for rid in replicas},
         spec.routing_policy,
         spec.seed,
-        STORE_ACTOR_NAME if detached else store,
+        STORE_ACTOR_NAME,
         max_in_flight_per_replica=spec.max_in_flight_per_replica,
         max_in_flight=spec.max_in_flight,
         health_period=spec.health_period,
@@ -199,12 +212,15 @@ def start_cluster(spec: ClusterSpec, detached: bool = False) -> Deployment:
     except ray.exceptions.RayError as err:
         stop_cluster(drain_timeout=0)
         raise ClusterError(f"replicas failed to start: {err}") from None
+    if not detached:
+        _owned.clear()
+        _owned.update({ROUTER_ACTOR_NAME: router, STORE_ACTOR_NAME: store, **replicas})
     return Deployment(router, replicas, store)
 
 
 def _same_config(replica, spec: ClusterSpec) -> bool:
     try:
-        return ray.get(replica.info.remote(), timeout=30)["config"] == spec.replica.model_dump()
+        return ray.get(replica.info.remote(), timeout=30).config == spec.replica.model_dump()
     except ray.exceptions.RayError:
         return False
 
@@ -216,51 +232,71 @@ def find_cluster() -> Deployment:
 
 
 def drain_replica(deployment: Deployment, replica_id: str, timeout: float = 30.0) -> dict[str, int]:
-    """Remove one replica gracefully: the router sends it nothing more, its running requests
-    finish within `timeout` seconds, the rest go back to their clients to continue on other
-    replicas; then it stops. Returns how many finished and how many moved."""
-    handle = deployment.replicas[replica_id]
-    ray.get(deployment.router.start_drain.remote(replica_id), timeout=60)
-    counts = ray.get(handle.drain.remote(timeout), timeout=timeout + 60)
-    time.sleep(0.5)  # the clients' moves reach the router before the replica's handle goes
-    ray.kill(handle)
+    """Remove one replica gracefully (`drain_replicas`). Returns how many of its requests
+    finished and how many moved."""
+    counts = drain_replicas(deployment.router, {replica_id: deployment.replicas[replica_id]}, timeout)
+    if replica_id not in counts:
+        raise ClusterError(f"{replica_id} did not answer its drain within {timeout + 60:g} s; it was stopped")
+    return counts[replica_id]
+
+
+def drain_replicas(router, replicas: dict[str, object], timeout: float) -> dict[str, dict[str, int]]:
+    """Remove replicas gracefully, all at once: the router (if there is one to tell) sends them
+    nothing more, their running requests finish within `timeout` seconds, the rest go back to
+    their clients to continue on other replicas; then they stop. Returns each replica's counts
+    of finished and moved requests (a dead replica, with nothing to drain, is left out)."""
+    if router is not None:
+        try:
+            ray.get([router.start_drain.remote(replica_id) for replica_id in replicas], timeout=60)
+        except (ray.exceptions.RayError, ValueError):
+            pass  # no router to tell (or not one that knows these replicas)
+    refs = {replica_id: handle.drain.remote(timeout) for replica_id, handle in replicas.items()}
+    ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout + 60)
+    counts = {}
+    for replica_id, ref in refs.items():
+        try:
+            counts[replica_id] = ray.get(ref, timeout=0)
+        except ray.exceptions.RayError:
+            continue
+    if any(c["migrated"] for c in counts.values()):
+        time.sleep(0.5)  # the clients' moves reach the router before the replicas' handles go
+    for handle in replicas.values():
+        ray.kill(handle)
     return counts
 
 
 def stop_cluster(drain_timeout: float = 0.0) -> list[str]:
     """Stop every slotserve actor; returns the names it found. With `drain_timeout` > 0 the
-    replicas first stop admitting, and the requests they hold get that long to finish (with
-    no replica left to move to, what is still running then ends with an error)."""
+    replicas are drained first (`drain_replicas`): new requests are refused at once (no replica
+    up), and the requests they hold get that long to finish (with no replica left to move to,
+    what is still running then ends with an error)."""
     actors = _leftovers()
-    replicas = {name: h for name, h in actors.items() if name.startswith(REPLICA_PREFIX)}
+    replicas = {
+        f"replica-{name.removeprefix(REPLICA_PREFIX)}": handle
+        for name, handle in actors.items()
+        if name.startswith(REPLICA_PREFIX)
+    }
     if drain_timeout > 0 and replicas:
-        router = actors.get(ROUTER_ACTOR_NAME)
-        try:
-            if router is not None:  # new requests are refused at once (no replica up), not sent to one draining
-                ids = [f"replica-{name.removeprefix(REPLICA_PREFIX)}" for name in replicas]
-                ray.get([router.start_drain.remote(rid) for rid in ids], timeout=60)
-        except (ray.exceptions.RayError, ValueError):
-            pass  # no router to tell (or not one that knows these replicas)
-        refs = [r.drain.remote(drain_timeout) for r in replicas.values()]
-        ray.wait(refs, num_returns=len(refs), timeout=drain_timeout + 60)  # a dead replica has nothing to drain
-    for handle in actors.values():
+        drain_replicas(actors.get(ROUTER_ACTOR_NAME), replicas, drain_timeout)
+    for handle in actors.values():  # a drained replica is stopped already: killing it again does nothing
         ray.kill(handle)
     return list(actors)
 
 
 def cluster_status(timeout: float = 10.0) -> dict:
     """The router's status and each replica's info; a replica that is dead or does not answer
-    within `timeout` is listed with the error instead of failing the whole status."""
+    within `timeout` is listed as Unreachable instead of failing the whole status."""
     cluster = find_cluster()
     refs = {replica_id: handle.info.remote() for replica_id, handle in cluster.replicas.items()}
     ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
-    infos = []
+    infos: list[ReplicaInfo | Unreachable] = []
     for replica_id, ref in refs.items():
         if ref not in ready:
-            infos.append({"replica_id": replica_id, "error": f"no answer within {timeout:g} s"})
+            infos.append(Unreachable(replica_id, f"no answer within {timeout:g} s", time.time()))
             continue
         try:
             infos.append(ray.get(ref))
         except ray.exceptions.RayError as err:
-            infos.append({"replica_id": replica_id, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"})
+            why = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+            infos.append(Unreachable(replica_id, why, time.time()))
     return {"router": ray.get(cluster.router.status.remote(), timeout=60), "replicas": infos}

@@ -1,18 +1,15 @@
 """Replay a workload through a running cluster and record it in the metrics store.
 
-Requests are submitted when the workload's `ArrivalSchedule` says (the driver records how
-late each was against its planned time, so a slow driver cannot pass for a slow cluster),
-many in flight at once; each end is reported back to the schedule (a closed loop's next
-request depends on it), and each finished request is written with its client-side timestamps
-in batches. The run's config carries the workload's spec, so the run can be replayed exactly.
-The run is marked complete only when every request has ended and the replicas and router
-have flushed: a run cut short (Ctrl-C, a killed driver) keeps what was recorded and reads as
-incomplete."""
+Requests are submitted on the workload's schedule (`cluster.pacing`; the driver records how
+late each was against its planned time, so a slow driver cannot pass for a slow cluster), and
+each finished request is written with its client-side timestamps in batches. The run's config
+carries the workload's spec, so the run can be replayed exactly. The run is marked complete
+only when every request has ended and the replicas and router have flushed: a run cut short
+(Ctrl-C, a killed driver) keeps what was recorded and reads as incomplete."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import ray
@@ -20,9 +17,9 @@ from tqdm import tqdm
 
 from cluster.client import Client, Result
 from cluster.deploy import Deployment
+from cluster.pacing import send_on_schedule
 from metrics.recording import request_row
 from protocol.errors import OverloadedError, SlotServeError
-from workloads.schedule import ArrivalSchedule
 from workloads.workload import Workload, WorkloadRequest, request_prompt
 
 REQUEST_BATCH = 32  # request rows per store write
@@ -34,8 +31,6 @@ async def _replay(
     rows: list[dict] = []
     moves: list = []  # MigrationRecords of finished requests
     bar = tqdm(total=len(workload.requests), desc=workload.name, unit="req", disable=not progress)
-    schedule = ArrivalSchedule(workload)
-    wake = asyncio.Event()  # set at every end: a closed loop may have released a request
 
     async def flush() -> None:
         batch, rows[:] = list(rows), []
@@ -45,7 +40,7 @@ async def _replay(
         if migrated:
             await store.add_migrations.remote(run_id, migrated)
 
-    async def one(i: int, spec: WorkloadRequest, planned: float) -> None:
+    async def send(i: int, spec: WorkloadRequest, planned: float) -> None:
         submitted = time.time()
         prompt = request_prompt(seed, i, spec, vocab_size)
         rid = f"run{run_id}-{i}"
@@ -56,9 +51,6 @@ async def _replay(
         except SlotServeError as err:  # refused: bad input or overload (counted as rejected), or lost
             reason = "rejected" if isinstance(err, (ValueError, OverloadedError)) else "error"
             result = Result(rid, None, submitted, finish_reason=reason, error=str(err), completion=time.time())
-        finally:  # even an unexpected error (raised at the gather below) ends the request for its user
-            schedule.finished(i, time.time() - t0)
-            wake.set()
         rows.append(request_row(result.trace(spec.prompt_len, spec.output_len, spec.session_id, planned, submitted)))
         moves.extend(result.migrations)
         bar.update(1)
@@ -66,28 +58,10 @@ async def _replay(
             await flush()
 
     async def tell_replicas(arrivals_done: bool) -> None:
-        """Whether a request may come before a running one ends (a static batch waits to be
-        full only if one may)."""
-        nonlocal told
-        if arrivals_done != told:
-            told = arrivals_done
-            await asyncio.gather(*[r.set_arrivals_done.remote(arrivals_done) for r in replicas])
+        await asyncio.gather(*[r.set_arrivals_done.remote(arrivals_done) for r in replicas])
 
-    t0 = time.time()
-    tasks, told = [], False
     try:
-        while True:
-            for i, spec, planned in schedule.due(time.time(), t0):
-                tasks.append(asyncio.create_task(one(i, spec, t0 + planned)))
-            await tell_replicas(schedule.waiting_on_ends)
-            if schedule.done:
-                break
-            wake.clear()  # no await since due(): no end was missed
-            next_time = schedule.next_time()
-            timeout = None if next_time is None else max(0.0, t0 + next_time - time.time())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), timeout)
-        await asyncio.gather(*tasks)
+        await send_on_schedule(workload, send, tell_replicas)
     finally:
         await flush()  # keep what finished, even when cut short
         bar.close()
@@ -113,7 +87,7 @@ def run_workload(
     run_id = ray.get(store.begin_run.remote(name, config, batching_policy, routing_policy, seed, slo))
     actors = [deployment.router, *deployment.replicas.values()]
     ray.get([a.set_run.remote(run_id) for a in actors])
-    vocab = ray.get(next(iter(deployment.replicas.values())).info.remote())["vocab_size"]
+    vocab = ray.get(next(iter(deployment.replicas.values())).info.remote()).vocab_size
     with Client(routing=client_routing) as client:
         asyncio.run(_replay(client, workload, run_id, store, list(deployment.replicas.values()), vocab, seed, progress))
     ray.get([a.flush.remote() for a in actors])

@@ -20,8 +20,8 @@ import weakref
 import ray
 
 from protocol.errors import SlotServeError
+from protocol.routing import RouteRequest
 from replica.serving.loop import REPORT_INTERVAL
-from router.load import RouteRequest
 from router.router import Router
 
 ROUTING_MODES = ("actor", "local")
@@ -54,25 +54,22 @@ class LocalRouter:
     def policy(self) -> str:
         return self._router.policy.name
 
-    def route_many(self, routes: list[tuple]) -> list[str | SlotServeError]:
-        """As `RouterActor.route_many`: one answer per route tuple, a replica id or the typed
+    def route_many(self, requests: list[RouteRequest]) -> list[str | SlotServeError]:
+        """As `RouterActor.route_many`: one answer per request, a replica id or the typed
         error that refused it."""
         answers: list[str | SlotServeError] = []
         with self._lock:
-            for route in routes:
-                rid, prompt_len, max_tokens, session, moved_from, hashes, size = route
+            for request in requests:
                 try:
-                    decision = self._router.route(
-                        RouteRequest(rid, prompt_len, max_tokens, session, tuple(hashes), size), moved_from
-                    )
-                    answers.append(decision.replica_id)
+                    answers.append(self._router.route(request).replica_id)
                 except SlotServeError as err:
                     answers.append(err)
         return answers
 
-    def complete(self, request_id: str, output_len: int | None, replica_id: str | None) -> None:
+    def complete(self, request_id: str, replica_id: str | None = None, output_len: int | None = None) -> None:
+        """As `Router.complete` (the same arguments in the same order)."""
         with self._lock:
-            self._router.complete(request_id, output_len, replica_id)
+            self._router.complete(request_id, replica_id, output_len)
 
     def replica_lost(self, replica_id: str, reason: str) -> None:
         with self._lock:
@@ -83,11 +80,12 @@ class LocalRouter:
         """Send the decisions made here, take the actor's reports and down marks."""
         with self._lock:
             decisions = self._router.drain_decisions()
-        reports, down = ray.get(self._actor.sync.remote(decisions), timeout=timeout)
+        view = ray.get(self._actor.sync.remote(decisions), timeout=timeout)
+        down = view.down
         with self._lock:
-            for replica_id in reports.keys() - set(self._router.replica_ids):
+            for replica_id in view.reports.keys() - set(self._router.replica_ids):
                 self._router.add_replica(replica_id)
-            for report in reports.values():
+            for report in view.reports.values():
                 self._router.report(report)
             for replica_id in self._router.replica_ids:
                 if replica_id in down and self._router.down.get(replica_id) != down[replica_id]:

@@ -20,7 +20,9 @@ rows with client-side token times (the driver's clock) and each replica's step r
 run's prefix-cache hit rate and occupancy read the same; Serve's routers log no decisions, so
 that table stays empty for its runs. Serve gives a caller no way to reach one chosen replica,
 so a replica's step records ride on its token stream: each streamed item carries the steps run
-since the replica's last item, and a request's last item comes after its last step.
+since the replica's last item, and a request's last item comes after its last step. For the
+same reason whether more requests may come (which a static batch waits on) goes through a small
+actor, `ArrivalsFlag`, on which every replica keeps one call waiting for the next change.
 """
 
 from __future__ import annotations
@@ -31,14 +33,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import ray
+from ray.actor import ActorHandle
 
+from cluster.pacing import send_on_schedule
 from metrics.definitions import RequestTrace
 from metrics.recording import request_row
-from replica.engine import StepRecord
-from replica.scheduling.request import FinishReason
+from protocol.finish import FinishReason
+from protocol.records import StepRecord
 from replica.serving.loop import AsyncEngine, ReplicaConfig, build_engine
-from workloads.schedule import ArrivalSchedule
-from workloads.workload import Workload, request_prompt
+from workloads.workload import Workload, WorkloadRequest, request_prompt
 
 APP_NAME = "slotserve-serve-baseline"
 _PREFIX_ROUTER = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
@@ -76,11 +79,34 @@ class ServedChunk:
     steps: list[StepRecord]
 
 
+@ray.remote(num_cpus=0)
+class ArrivalsFlag:
+    """Whether more requests may come before a running one ends, as the driver last said, for
+    replicas it cannot address one by one: each keeps a call to `changed` waiting."""
+
+    def __init__(self):
+        self.done = False
+        self._change = asyncio.Event()
+
+    async def set(self, done: bool) -> None:
+        if done != self.done:
+            self.done = done
+            self._change.set()
+            self._change = asyncio.Event()
+
+    async def changed(self, seen: bool) -> bool:
+        """The value, once it differs from `seen`."""
+        while self.done == seen:
+            await self._change.wait()
+        return self.done
+
+
 class EngineDeployment:
     """One Serve replica: the replica engine's serving loop, streaming each step's tokens with
-    the step records not yet sent (see the module docstring)."""
+    the step records not yet sent, and following the driver's `ArrivalsFlag` (see the module
+    docstring)."""
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, arrivals: ActorHandle):
         from ray import serve
 
         self.replica_id = f"serve-{serve.get_replica_context().replica_id.unique_id}"
@@ -88,11 +114,21 @@ class EngineDeployment:
             build_engine(ReplicaConfig.model_validate(config)), self._on_step, replica_id=self.replica_id
         )
         self.unsent: list[StepRecord] = []
+        self._arrivals = arrivals
+        self._following: asyncio.Task | None = None  # started on the serving loop, at the first request
 
     def _on_step(self, record: StepRecord) -> None:
         self.unsent.append(record)
 
+    async def _follow_arrivals(self) -> None:
+        done = False
+        while True:
+            done = await self._arrivals.changed.remote(done)
+            self.serving.set_arrivals_done(done)
+
     async def __call__(self, request: ServeRequest) -> AsyncIterator[ServedChunk]:
+        if self._following is None:
+            self._following = asyncio.get_running_loop().create_task(self._follow_arrivals())
         params = {"max_tokens": request.max_tokens, "ignore_eos": True}
         async for out in self.serving.generate(request.token_ids, params, request.request_id, request.arrival):
             reason = out.finish_reason.value if isinstance(out.finish_reason, FinishReason) else None
@@ -120,6 +156,7 @@ class ServeBaseline:
         from ray.serve.config import RequestRouterConfig
 
         self.config, self.router, self.store, self.router_kwargs = config, router, store, router_kwargs or {}
+        self.arrivals = ArrivalsFlag.remote()
         options = {}
         if SERVE_ROUTERS[router] is not None:
             options["request_router_config"] = RequestRouterConfig(
@@ -134,7 +171,7 @@ class ServeBaseline:
                 ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
                 **options,
             )
-            .bind(config.model_dump())
+            .bind(config.model_dump(), self.arrivals)
         )
         serve.start(proxy_location="Disabled")
         self.handle = serve.run(app, name=APP_NAME, route_prefix=None)
@@ -156,8 +193,9 @@ class ServeBaseline:
         config = {**config, "serve_router": self.router, "serve_router_kwargs": self.router_kwargs}
         config["workload_spec"] = workload.spec
         run_id = ray.get(self.store.begin_run.remote(name, config, batching_policy, self.router, seed, slo))
+        ray.get(self.arrivals.set.remote(False))
         start = time.time()
-        traces, steps = asyncio.run(_replay(self.handle, workload, seed, vocab_size))
+        traces, steps = asyncio.run(_replay(self.handle, self.arrivals, workload, seed, vocab_size))
         slots = self.config.engine.num_slots
         writes = [
             self.store.add_step_records.remote(run_id, replica, slots, [r for r in records if r.start >= start])
@@ -172,22 +210,19 @@ class ServeBaseline:
         from ray import serve
 
         serve.shutdown()
+        ray.kill(self.arrivals)
 
 
 async def _replay(
-    handle, workload: Workload, seed: int, vocab_size: int
+    handle, arrivals: ActorHandle, workload: Workload, seed: int, vocab_size: int
 ) -> tuple[list[RequestTrace], dict[str, list[StepRecord]]]:
-    """Each request sent at its planned time (open loop), tokens stamped on arrival here;
-    returns the traces and each replica's step records that came with them."""
-    schedule = ArrivalSchedule(workload)
+    """Each request sent on the workload's schedule (`cluster.pacing`), tokens stamped on arrival
+    here; returns the traces and each replica's step records that came with them."""
     stream = handle.options(stream=True)
     traces: list[RequestTrace] = []
     steps: dict[str, list[StepRecord]] = {}
-    wake = asyncio.Event()
-    t0 = time.time()
 
-    async def one(i: int, planned: float) -> None:
-        spec = workload.requests[i]
+    async def send(i: int, spec: WorkloadRequest, planned: float) -> None:
         ids = request_prompt(seed, i, spec, vocab_size)
         arrival = time.time()
         rid = f"serve-{i}"
@@ -201,9 +236,6 @@ async def _replay(
                 steps.setdefault(replica, []).extend(chunk.steps)
         except Exception as err:  # noqa: BLE001 - a failed request is recorded as one
             error = f"{type(err).__name__}: {str(err)[:200]}"
-        finally:
-            schedule.finished(i, time.time() - t0)
-            wake.set()
         traces.append(
             RequestTrace(
                 rid,
@@ -221,18 +253,8 @@ async def _replay(
             )
         )
 
-    tasks = []
-    while True:
-        for i, _, planned in schedule.due(time.time(), t0):
-            tasks.append(asyncio.create_task(one(i, t0 + planned)))
-        if schedule.done:
-            break
-        wake.clear()
-        next_time = schedule.next_time()
-        timeout = None if next_time is None else max(0.0, t0 + next_time - time.time())
-        try:
-            await asyncio.wait_for(wake.wait(), timeout)
-        except TimeoutError:
-            pass
-    await asyncio.gather(*tasks)
+    async def tell_replicas(arrivals_done: bool) -> None:
+        await arrivals.set.remote(arrivals_done)
+
+    await send_on_schedule(workload, send, tell_replicas)
     return traces, steps

@@ -13,69 +13,78 @@ policy at one slot count sees exactly the same traffic.
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
+import uuid
 from pathlib import Path
 
 import ray
+from tqdm import tqdm
 
-from cluster.client import Client
+from cluster.client import Client, Result
 from cluster.deploy import Deployment
 from cluster.driver import run_workload
 from cluster.serve_baseline import SERVE_ROUTERS, ServeBaseline
 from experiments.plan import Cell, Plan
+from metrics.live import PROBE_REQUEST_PREFIX
 from metrics.store import MetricsStore
 from replica.errors import ConfigError
 from router.policies import DEFAULT_POLICY
-from workloads.capacity import (
-    PREFILL_PROBE_ROUNDS,
-    PROBE_MAX_TOKENS,
-    PROBE_PROMPT_LEN,
-    Capacity,
-    decode_rate,
-    prefill_probe_len,
-    prefill_rate,
-)
+from workloads.capacity import PREFILL_PROBE_ROUNDS, PROBE_MAX_TOKENS, Capacity, prefill_probe_len, probe_capacity
 from workloads.standard import at_load
-from workloads.workload import Workload
+from workloads.workload import Workload, request_prompt
 
 
-async def _probe(client: Client, num_requests: int, max_tokens: int) -> float:
-    results = await asyncio.gather(
-        *[
-            client.agenerate([100 + i] * PROBE_PROMPT_LEN, max_tokens=max_tokens, ignore_eos=True)
-            for i in range(num_requests)
-        ]
+async def _probe_request(client: Client, prompt: list[int], max_tokens: int, bar: tqdm) -> Result:
+    """One probe request, under a probe's request id (its live metrics are labelled `probe`)."""
+    result = await client.agenerate(
+        prompt, request_id=f"{PROBE_REQUEST_PREFIX}{uuid.uuid4().hex}", max_tokens=max_tokens, ignore_eos=True
     )
-    return decode_rate(r.token_times for r in results)
+    bar.update()
+    return result
 
 
-async def _prefill_probe(client: Client, num_requests: int, prompt_len: int, probe: int, vocab_size: int) -> float:
-    """Distinct prompts, one output token each: no prefix shared within a probe or with an
-    earlier probe (whose prompts a prefix cache still holds), so every prompt token is computed.
-    Prompt k counts up from its own first token (100 + 7k, wrapping inside the vocabulary)."""
-    first, span = probe * num_requests, vocab_size - 100
-    prompts = [[100 + (7 * (first + i) + j) % span for j in range(prompt_len)] for i in range(num_requests)]
-    results = await asyncio.gather(*[client.agenerate(p, max_tokens=1, ignore_eos=True) for p in prompts])
-    return prefill_rate(prompt_len, (r.token_times[0] for r in results), min(r.arrival for r in results))
-
-
-def measure_capacity(deployment: Deployment, max_tokens: int = PROBE_MAX_TOKENS, probes: int = 3) -> Capacity:
-    """The whole cluster's capacity with every slot of every replica busy: decoding (output
-    tokens/s) and prefilling (prompt tokens/s), each the median of a few saturating probes
-    through the router (not recorded), so one stall on a busy machine does not set the load
-    of a whole experiment."""
+def measure_capacity(
+    deployment: Deployment, max_tokens: int = PROBE_MAX_TOKENS, probes: int = 3, progress: bool = False
+) -> Capacity:
+    """The whole cluster's capacity with every slot of every replica busy
+    (`workloads.capacity.probe_capacity`), each probe sent through the router (not recorded);
+    the median of `probes` of each, since a real cluster's figures vary from run to run."""
     infos = ray.get([r.info.remote() for r in deployment.replicas.values()])
-    slots = sum(i["num_slots"] for i in infos)
-    prompt_len = prefill_probe_len(min(i["max_request_tokens"] for i in infos))
-    vocab_size = min(i["vocab_size"] for i in infos)
-    with Client() as client:
-        decode = statistics.median(asyncio.run(_probe(client, slots, max_tokens)) for _ in range(probes))
-        prefill = statistics.median(
-            asyncio.run(_prefill_probe(client, PREFILL_PROBE_ROUNDS * slots, prompt_len, probe, vocab_size))
-            for probe in range(probes)
+    slots, vocab_size = sum(i.num_slots for i in infos), min(i.vocab_size for i in infos)
+    if progress:  # it saturates the cluster, and can take longer than the run it sets the load of
+        prompt_len = prefill_probe_len(min(i.max_request_tokens for i in infos))
+        print(
+            f"measuring the cluster's capacity (the load is a multiple of it): {probes} decode probes of {slots} "
+            f"requests x {max_tokens} tokens and {probes} prefill probes of {PREFILL_PROBE_ROUNDS * slots} "
+            f"{prompt_len}-token prompts, each filling every slot; not recorded (live metrics: run=probe), "
+            "time left on the bar",
+            flush=True,
         )
-    return Capacity(decode, prefill)
+    started = time.monotonic()
+    bar = tqdm(
+        total=probes * (1 + PREFILL_PROBE_ROUNDS) * slots, desc="capacity probe", unit="req", disable=not progress
+    )
+
+    async def send_all(client: Client, probe: Workload) -> list[Result]:
+        prompts = [request_prompt(probe.seed, i, spec, vocab_size) for i, spec in enumerate(probe.requests)]
+        return await asyncio.gather(
+            *[_probe_request(client, p, spec.output_len, bar) for p, spec in zip(prompts, probe.requests)]
+        )
+
+    with Client() as client, bar:
+        capacity = probe_capacity(
+            lambda probe: asyncio.run(send_all(client, probe)),
+            slots,
+            min(i.max_request_tokens for i in infos),
+            probes,
+            max_tokens,
+        )
+    if progress:
+        print(
+            f"capacity: {capacity.decode_tokens_per_s:.1f} output tokens/s, {capacity.prefill_tokens_per_s:.0f} "
+            f"prompt tokens/s (measured in {time.monotonic() - started:.1f} s)"
+        )
+    return capacity
 
 
 def routing_experiment(
@@ -89,29 +98,30 @@ def routing_experiment(
     progress: bool = True,
     repeats: int = 1,
 ) -> list[int]:
-    """Replay the same seeded workload once per routing policy in each of `repeats` rounds (the
-    policies' order reversed every other round, so a drift of the machine favours none);
-    returns the run ids."""
-    capacity = measure_capacity(deployment)
-    workload = at_load(workload_name, num_requests, load, capacity, seed)
-    batching = ray.get(next(iter(deployment.replicas.values())).info.remote())["policy"]
+    """Replay a seeded workload once per routing policy in each of `repeats` rounds, round r
+    with seed `seed + r` (its own traffic, so a lead that holds across rounds holds across
+    arrival sequences, not only across reruns of one), the policies' order reversed every other
+    round so a drift of the machine favours none; returns the run ids."""
+    capacity = measure_capacity(deployment, progress=progress)
+    batching = ray.get(next(iter(deployment.replicas.values())).info.remote()).policy
     run_ids = []
-    rounds = [routing_policies if r % 2 == 0 else routing_policies[::-1] for r in range(repeats)]
-    for policy in (p for order in rounds for p in order):
-        ray.get(deployment.router.set_policy.remote(policy))
-        stamp = time.strftime("%H%M%S")
-        run_ids.append(
-            run_workload(
-                deployment,
-                workload,
-                name=f"{workload_name}-{policy}-{stamp}",
-                config={**config, "workload": workload.describe(), "workload_params": workload.params},
-                batching_policy=batching,
-                routing_policy=policy,
-                seed=seed,
-                progress=progress,
+    for r in range(repeats):
+        workload = at_load(workload_name, num_requests, load, capacity, seed + r)
+        for policy in routing_policies if r % 2 == 0 else routing_policies[::-1]:
+            ray.get(deployment.router.set_policy.remote(policy))
+            stamp = time.strftime("%H%M%S")
+            run_ids.append(
+                run_workload(
+                    deployment,
+                    workload,
+                    name=f"{workload_name}-{policy}-seed{seed + r}-{stamp}",
+                    config={**config, "workload": workload.describe(), "workload_params": workload.params},
+                    batching_policy=batching,
+                    routing_policy=policy,
+                    seed=seed + r,
+                    progress=progress,
+                )
             )
-        )
     return run_ids
 
 
@@ -211,33 +221,16 @@ class RayBackend:
         included: the same engine at the same slots, so both see the same traffic."""
         deployment = self._deploy(cell)
         ray.get(deployment.router.set_policy.remote(DEFAULT_POLICY))
-        self.vocab_size = ray.get(next(iter(deployment.replicas.values())).info.remote())["vocab_size"]
+        self.vocab_size = ray.get(next(iter(deployment.replicas.values())).info.remote()).vocab_size
         return measure_capacity(deployment)
 
     def run(self, cell: Cell, workload: Workload, name: str, config: dict, slo: dict) -> int:
+        run = {"name": name, "config": config, "batching_policy": cell.batching, "seed": cell.seed, "slo": slo}
         if cell.routing in SERVE_ROUTERS:
-            return self._deploy_serve(cell).run_workload(
-                workload,
-                name=name,
-                config=config,
-                batching_policy=cell.batching,
-                seed=cell.seed,
-                vocab_size=self.vocab_size,
-                slo=slo,
-            )
+            return self._deploy_serve(cell).run_workload(workload, vocab_size=self.vocab_size, **run)
         deployment = self._deploy(cell)
         ray.get(deployment.router.set_policy.remote(cell.routing))
-        return run_workload(
-            deployment,
-            workload,
-            name=name,
-            config=config,
-            batching_policy=cell.batching,
-            routing_policy=cell.routing,
-            seed=cell.seed,
-            slo=slo,
-            progress=False,
-        )
+        return run_workload(deployment, workload, routing_policy=cell.routing, progress=False, **run)
 
     def close(self) -> None:
         """Stop what runs: Serve and its store actor, or the slotserve actors (waiting until

@@ -1,5 +1,5 @@
 """Run an experiment's plan: every cell once, on the simulator or on a Ray cluster, one run
-in the store each (`experiments.report` turns them into a table and a report)."""
+in the store each (`experiments.experiment_report` turns them into a table and a report)."""
 
 from __future__ import annotations
 

@@ -13,9 +13,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-# How a request may end and still count as served; anything else (rejected, failed,
-# aborted) misses every SLO.
-SERVED = frozenset({"eos", "stop", "length"})
+from protocol.finish import NATURAL_ENDINGS
+
+# How a request may end and still count as served: its natural endings; anything else
+# (rejected, failed, aborted) misses every SLO.
+SERVED = NATURAL_ENDINGS
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The live metrics a running cluster exports to Prometheus: names, kinds, labels and buckets,
-in one place (plain data, no Ray), so the exporters (`cluster.telemetry`), the dashboards
+in one place (plain data, no Ray), so the exporters (`cluster.prometheus_exporters`), the dashboards
 (`dashboards`) and the tests all read the same table.
 
 Names follow vLLM's where one exists (`num_requests_running`, `time_to_first_token_seconds`,
@@ -10,10 +10,15 @@ application metric as `ray_<name>`; the scrape configuration in `dashboards/` re
 
 Labels: every replica series carries `replica`, `node` (Ray node id), `model` and
 `batching_policy`; counters and histograms also carry `run` (the store's run id, `none` outside
-a run), so one run's counts can be read apart from the next. Gauges carry no `run`: they are the
-replica's state now, and a gauge left behind under an old run's label would read as a second
-replica. The router's series carry `routing_policy` and `run`. Ray adds `SessionName` (the
-cluster), `NodeAddress` and `WorkerId`.
+a run, `probe` while a capacity probe's requests run), so one run's counts can be read apart
+from the next and from the saturating probe that sets its load. Gauges carry no `run`: they are
+the replica's state now (after a step: the slots that step held), and a gauge left behind under
+an old run's label would read as a second replica. The router's series carry `routing_policy`
+and `run`. Ray adds `SessionName` (the cluster), `NodeAddress` and `WorkerId`.
+
+The replicas and the router export every `EXPORT_INTERVAL_MS` whatever the Ray cluster's own
+interval (`RAY_metrics_report_interval_ms`, 10 s unless set), which is what the dashboards'
+rate windows assume.
 """
 
 from __future__ import annotations
@@ -22,6 +27,15 @@ from dataclasses import dataclass
 
 PREFIX = "slotserve_"
 NO_RUN = "none"  # the run label outside a run
+PROBE_RUN = "probe"  # the run label of a capacity probe's requests
+PROBE_REQUEST_PREFIX = "probe-"  # a capacity probe's request ids start with it
+EXPORT_INTERVAL_MS = 1000  # how often the actors send their metrics to Ray's metrics agent
+
+
+def is_probe(request_id: str) -> bool:
+    """Whether the request is one of a capacity probe's (its live metrics are labelled `probe`)."""
+    return request_id.startswith(PROBE_REQUEST_PREFIX)
+
 
 REPLICA_LABELS = ("replica", "node", "model", "batching_policy")
 RUN_LABELS = (*REPLICA_LABELS, "run")

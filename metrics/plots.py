@@ -47,11 +47,11 @@ def plot_cluster_runs(store, run_ids: list[int], path: Path) -> Path:
 
 def occupancy_lines(ax, steps: list[dict], prefix: str = "") -> None:
     """One line per replica: live slots / slots at each of its steps (the store's steps rows)."""
-    t0 = min((s["time"] for s in steps), default=0.0)
+    t0 = min((s["start"] for s in steps), default=0.0)
     for replica in sorted({s["replica_id"] for s in steps}):
         mine = [s for s in steps if s["replica_id"] == replica]
         ax.plot(
-            [s["time"] - t0 for s in mine],
+            [s["start"] - t0 for s in mine],
             [s["live_slots"] / s["num_slots"] for s in mine],
             label=f"{prefix}{replica}",
             linewidth=0.8,
@@ -69,7 +69,8 @@ def _save(fig, path: Path) -> Path:
 
 
 def _grid(n: int, width: float = 5.0, height: float = 3.2):
-    """A figure of n panels, at most three a row; the unused ones hidden."""
+    """A figure of n panels, at most three a row (as many rows as it takes: a figure of a sweep
+    draws every run it is given); the unused ones hidden."""
     cols = min(n, 3)
     rows = -(-n // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
@@ -79,8 +80,6 @@ def _grid(n: int, width: float = 5.0, height: float = 3.2):
 
 
 # --- experiment sweeps --------------------------------------------------------------------
-
-MAX_PANELS = 12  # runs drawn one panel each (occupancy, slot timelines): the first rows of a sweep
 
 
 @dataclass
@@ -128,8 +127,8 @@ def plot_latency_cdfs(named: dict[str, Sequence[RequestTrace]], path: Path, titl
     return _save(fig, path)
 
 
-def plot_occupancy(named_steps: dict[str, list[dict]], path: Path, title: str) -> Path:
-    """A panel per name: each replica's occupancy over time."""
+def occupancy_figure(named_steps: dict[str, list[dict]], title: str):
+    """A panel per name, every one given: each replica's occupancy over time."""
     fig, axes = _grid(len(named_steps))
     for ax, (name, steps) in zip(axes, named_steps.items()):
         occupancy_lines(ax, steps)
@@ -137,7 +136,11 @@ def plot_occupancy(named_steps: dict[str, list[dict]], path: Path, title: str) -
         ax.set_title(name, fontsize=8)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
-    return _save(fig, path)
+    return fig
+
+
+def plot_occupancy(named_steps: dict[str, list[dict]], path: Path, title: str) -> Path:
+    return _save(occupancy_figure(named_steps, title), path)
 
 
 @dataclass
@@ -161,7 +164,7 @@ def slot_spans(traces: Sequence[RequestTrace], steps: list[dict]) -> list[SlotSp
     the step that made its last token ends (a static batch holds it longer, until the batch
     drains). Each span lies inside the request's true tenure, so greedy lanes need no more
     lanes than the replica has slots."""
-    made = sorted((s["time"] + s["duration"], s["time"]) for s in steps if s["time"] is not None)
+    made = sorted((s["start"] + s["duration"], s["start"]) for s in steps if s["start"] is not None)
     ends = [end for end, _ in made]
 
     def step_of(t: float) -> tuple[float, float]:

@@ -1,45 +1,19 @@
 """One way to write a run into the metrics store, whatever produced it: the cluster (the driver,
 the replicas and the router push rows as they go, each through the row function here), the
 simulator and an in-process replay (`record_run`, all at once from plain traces). The rows are
-the store's schema (docs/ARCHITECTURE.md); step records and routing decisions are read by
-their field names, so this module imports neither the engine nor the router."""
+the store's schema (docs/ARCHITECTURE.md); a step record and a routing decision (both
+`protocol.records`) become rows field for field, under their fields' names."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any
 
 from metrics.definitions import RequestTrace
-
-
-class StepLike(Protocol):
-    """The fields of `replica.engine.StepRecord` a step row is made of."""
-
-    step: int
-    start: float
-    duration: float
-    num_decode_tokens: int
-    num_prefill_tokens: int
-    context_tokens: int
-    live_slots: int
-    useful_rows: int
-    computed_rows: int
-    num_preemptions: int
-    queue_depth: int
-
-
-class DecisionLike(Protocol):
-    """The fields of `router.router.Decision` a decision row is made of."""
-
-    request_id: str
-    replica_id: str
-    time: float
-    policy: str
-    scores: dict[str, float]
-    signal_age: float | None
-    in_flight: dict[str, int]
+from protocol.records import Decision, StepRecord
 
 
 def request_row(trace: RequestTrace) -> dict:
@@ -65,38 +39,16 @@ def request_row(trace: RequestTrace) -> dict:
     }
 
 
-def step_row(replica_id: str, record: StepLike, num_slots: int) -> dict:
+def step_row(replica_id: str, record: StepRecord, num_slots: int) -> dict:
     """An engine step as a row of the store's `steps` table."""
-    return {
-        "replica_id": replica_id,
-        "step": record.step,
-        "time": record.start,
-        "duration": record.duration,
-        "live_slots": record.live_slots,
-        "num_slots": num_slots,
-        "queue_depth": record.queue_depth,
-        "decode_tokens": record.num_decode_tokens,
-        "prefill_tokens": record.num_prefill_tokens,
-        "context_tokens": record.context_tokens,
-        "useful_rows": record.useful_rows,
-        "computed_rows": record.computed_rows,
-        "preemptions": record.num_preemptions,
-    }
+    return {"replica_id": replica_id, "num_slots": num_slots, **dataclasses.asdict(record)}
 
 
-def decision_row(decision: DecisionLike) -> dict:
+def decision_row(decision: Decision) -> dict:
     """A routing decision as a row of the store's `decisions` table: dicts as JSON strings, an
     infinite score (a replica power_of_two did not sample) as null."""
     scores = {k: v if math.isfinite(v) else None for k, v in decision.scores.items()}
-    return {
-        "request_id": decision.request_id,
-        "time": decision.time,
-        "policy": decision.policy,
-        "replica_id": decision.replica_id,
-        "scores": json.dumps(scores),
-        "signal_age": decision.signal_age,
-        "in_flight": json.dumps(decision.in_flight),
-    }
+    return {**dataclasses.asdict(decision), "scores": json.dumps(scores), "in_flight": json.dumps(decision.in_flight)}
 
 
 def record_run(
@@ -108,8 +60,8 @@ def record_run(
     routing_policy: str,
     seed: int,
     traces: Iterable[RequestTrace],
-    steps: Iterable[tuple[str, int, StepLike]] = (),
-    decisions: Iterable[DecisionLike] = (),
+    steps: Iterable[tuple[str, int, StepRecord]] = (),
+    decisions: Iterable[Decision] = (),
     slo: dict | None = None,
     simulated: bool = False,
 ) -> int:

@@ -28,18 +28,23 @@ Schema (see `SCHEMA`; times are seconds on the writer's clock, `time.time()` in 
   `submit_lateness` (how late the driver submitted it), `first_token`, `completion`.
   `replica_id` is NULL for a request rejected before it reached a replica.
 - tokens: every output token's client-side arrival time, `idx` from 0.
-- steps: one row per engine step of a replica (replica clock): slots live and total, queue
-  depth, decode and prefill tokens, attended context tokens, useful and computed rows,
-  preemptions (what `slotserve calibrate --from-store` fits a cost model to).
-- decisions: one row per routing decision: the policy, the replica picked, every replica's
-  score and in-flight count (JSON objects keyed by replica id), and `signal_age`, the age of
-  the oldest load report the decision used.
+- steps: one row per engine step of a replica (replica clock): its replica and slots, then
+  every field of `protocol.records.StepRecord` under the field's name (what
+  `slotserve calibrate --from-store` fits a cost model to).
+- decisions: one row per routing decision, the fields of `protocol.records.Decision` (scores
+  and in-flight counts as JSON objects keyed by replica id).
+
+The steps and decisions tables are derived from those record types (`record_columns`): a field
+of the record is a column of the same name, its SQL type from the field's type. Only a row's
+key (the replica and step, the request) is NOT NULL, so a store migrated from an older schema
+keeps its old rows, NULL where a field did not exist yet.
 - migrations: one row per move of a request off a replica that was lost or drained: from,
   to (NULL when no replica could take it), the tokens carried over, and why.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -47,13 +52,16 @@ import shutil
 import sqlite3
 import subprocess
 import time
+import types
+import typing
 from pathlib import Path
 
 from metrics.definitions import RequestTrace
 from protocol.errors import SlotServeError
+from protocol.records import Decision, StepRecord
 
 DEFAULT_STORE = Path("results/slotserve.db")
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 _MIGRATIONS_TABLE = """CREATE TABLE IF NOT EXISTS migrations (
     run_id INTEGER NOT NULL REFERENCES runs(run_id),
     request_id TEXT NOT NULL,
@@ -63,9 +71,72 @@ _MIGRATIONS_TABLE = """CREATE TABLE IF NOT EXISTS migrations (
     tokens_carried INTEGER,          -- tokens already delivered, prefilled on the new replica
     reason TEXT
 );"""
-# How a store of an older version is brought up to this one, step by step (version -> SQL).
-_MIGRATIONS = {1: "ALTER TABLE steps ADD COLUMN context_tokens INTEGER;", 2: _MIGRATIONS_TABLE}
+# How a store of an older version is brought up to this one, step by step (version -> SQL
+# statements): version 3 named four step columns apart from StepRecord's fields.
+_MIGRATIONS = {
+    1: ["ALTER TABLE steps ADD COLUMN context_tokens INTEGER"],
+    2: [_MIGRATIONS_TABLE],
+    3: [
+        f"ALTER TABLE steps RENAME COLUMN {old} TO {new}"
+        for old, new in [
+            ("time", "start"),
+            ("decode_tokens", "num_decode_tokens"),
+            ("prefill_tokens", "num_prefill_tokens"),
+            ("preemptions", "num_preemptions"),
+        ]
+    ],
+}
 END_STATUSES = ("complete", "failed", "aborted")
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    name: str
+    sql: str  # SQLite type
+    required: bool  # NOT NULL, and a batch row must carry it
+    json: bool = False  # a dict, stored as JSON text
+
+    @property
+    def ddl(self) -> str:
+        return f"{self.name} {self.sql}{' NOT NULL' if self.required else ''}"
+
+
+_SQL_TYPES = {int: "INTEGER", float: "REAL", str: "TEXT", bool: "INTEGER", dict: "TEXT"}
+
+
+def record_columns(record_type: type, keys: tuple[str, ...] = ()) -> tuple[Column, ...]:
+    """A record dataclass's fields as columns: same names and order, the SQL type of each
+    field's type (a dict is JSON text, `X | None` is X's type); the `keys` are required."""
+    hints = typing.get_type_hints(record_type)
+    columns = []
+    for f in dataclasses.fields(record_type):
+        kind, members = hints[f.name], typing.get_args(hints[f.name])
+        if isinstance(kind, types.UnionType) and type(None) in members:
+            [kind] = [m for m in members if m is not type(None)]
+        base = typing.get_origin(kind) or kind
+        if base not in _SQL_TYPES:
+            raise TypeError(f"{record_type.__name__}.{f.name}: no SQL type for {kind}")
+        columns.append(Column(f.name, _SQL_TYPES[base], f.name in keys, json=base is dict))
+    return tuple(columns)
+
+
+# The tables written from records: what a row carries beside the record, then its fields.
+_RECORD_TABLES = {
+    "steps": (
+        Column("replica_id", "TEXT", True),
+        Column("num_slots", "INTEGER", False),
+        *record_columns(StepRecord, keys=("step",)),
+    ),
+    "decisions": record_columns(Decision, keys=("request_id",)),
+}
+
+
+def _record_table(name: str) -> str:
+    columns = ",\n    ".join(c.ddl for c in _RECORD_TABLES[name])
+    return (
+        f"CREATE TABLE IF NOT EXISTS {name} (\n    run_id INTEGER NOT NULL REFERENCES runs(run_id),\n    {columns}\n);"
+    )
+
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -108,36 +179,16 @@ CREATE TABLE IF NOT EXISTS tokens (
     time REAL NOT NULL,
     PRIMARY KEY (run_id, request_id, idx)
 );
-CREATE TABLE IF NOT EXISTS steps (
-    run_id INTEGER NOT NULL REFERENCES runs(run_id),
-    replica_id TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    time REAL,
-    duration REAL,
-    live_slots INTEGER,
-    num_slots INTEGER,
-    queue_depth INTEGER,
-    decode_tokens INTEGER,
-    prefill_tokens INTEGER,
-    context_tokens INTEGER,          -- keys attended, summed over the step's rows
-    useful_rows INTEGER,
-    computed_rows INTEGER,
-    preemptions INTEGER
-);
-CREATE INDEX IF NOT EXISTS steps_by_run ON steps (run_id, replica_id, step);
-CREATE TABLE IF NOT EXISTS decisions (
-    run_id INTEGER NOT NULL REFERENCES runs(run_id),
-    request_id TEXT NOT NULL,
-    time REAL,
-    policy TEXT,
-    replica_id TEXT,
-    scores TEXT,                     -- JSON object: replica id -> score
-    signal_age REAL,                 -- seconds, oldest load report used
-    in_flight TEXT                   -- JSON object: replica id -> requests in flight
-);
-CREATE INDEX IF NOT EXISTS decisions_by_run ON decisions (run_id, time);
 """
-SCHEMA += _MIGRATIONS_TABLE
+SCHEMA += "\n".join(
+    [
+        _record_table("steps"),
+        "CREATE INDEX IF NOT EXISTS steps_by_run ON steps (run_id, replica_id, step);",
+        _record_table("decisions"),
+        "CREATE INDEX IF NOT EXISTS decisions_by_run ON decisions (run_id, time);",
+        _MIGRATIONS_TABLE,
+    ]
+)
 
 # Columns a batch row may carry (run_id comes from the call), the ones it must carry, and
 # the ones stored as JSON text.
@@ -158,31 +209,15 @@ _COLUMNS = {
         "error",
         "num_preemptions",
     ),
-    "steps": (
-        "replica_id",
-        "step",
-        "time",
-        "duration",
-        "live_slots",
-        "num_slots",
-        "queue_depth",
-        "decode_tokens",
-        "prefill_tokens",
-        "context_tokens",
-        "useful_rows",
-        "computed_rows",
-        "preemptions",
-    ),
-    "decisions": ("request_id", "time", "policy", "replica_id", "scores", "signal_age", "in_flight"),
+    **{table: tuple(c.name for c in columns) for table, columns in _RECORD_TABLES.items()},
     "migrations": ("request_id", "time", "from_replica", "to_replica", "tokens_carried", "reason"),
 }
 _REQUIRED = {
     "requests": ("request_id", "arrival", "completion", "finish_reason"),
-    "steps": ("replica_id", "step"),
-    "decisions": ("request_id",),
+    **{table: tuple(c.name for c in columns if c.required) for table, columns in _RECORD_TABLES.items()},
     "migrations": ("request_id", "from_replica"),
 }
-_JSON = {"config", "machine", "slo", "scores", "in_flight"}
+_JSON = {"config", "machine", "slo", *(c.name for columns in _RECORD_TABLES.values() for c in columns if c.json)}
 
 
 class StoreError(SlotServeError):
@@ -227,7 +262,8 @@ class MetricsStore:
         self.conn.execute("BEGIN IMMEDIATE")  # one migrating writer; a second opener waits, then sees it done
         version = self.conn.execute("PRAGMA user_version").fetchone()[0]
         while version < SCHEMA_VERSION:
-            self.conn.execute(_MIGRATIONS[version])
+            for statement in _MIGRATIONS[version]:
+                self.conn.execute(statement)
             version += 1
             self.conn.execute(f"PRAGMA user_version={version}")
         self.conn.execute("COMMIT")

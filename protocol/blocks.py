@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-NO_PARENT = -1
+NO_PARENT = -1  # the chain's seed for a prompt's first block (an int: hash(None) varies between runs)
+
+
+def chain(parent: int, block: Sequence[int]) -> int:
+    """The hash of one full block following the block hashed `parent` (NO_PARENT for the first)."""
+    return hash((parent, *block))
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int | None = None) -> list[int]:
@@ -20,7 +25,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int | No
     count = full if num_blocks is None else min(num_blocks, full)
     out, parent = [], NO_PARENT
     for i in range(count):
-        parent = hash((parent, *token_ids[i * block_size : (i + 1) * block_size]))
+        parent = chain(parent, token_ids[i * block_size : (i + 1) * block_size])
         out.append(parent)
     return out
 

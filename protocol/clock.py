@@ -1,8 +1,10 @@
-"""Clocks injected into schedulers and engines, so the same policy code runs on wall time
-(the real cluster) and on virtual time (tests, the simulator)."""
+"""Clocks injected into schedulers, engines and the serving loop, so the same code runs on
+wall time (the real cluster) and on virtual time (tests, the simulator). `sleep` blocks the
+caller; `asleep` is the serving loop's timer, awaited on its event loop."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Protocol
 
@@ -11,6 +13,8 @@ class Clock(Protocol):
     def now(self) -> float: ...
 
     def sleep(self, seconds: float) -> None: ...
+
+    async def asleep(self, seconds: float) -> None: ...
 
 
 class WallClock:
@@ -24,9 +28,13 @@ class WallClock:
         if seconds > 0:
             time.sleep(seconds)
 
+    async def asleep(self, seconds: float) -> None:
+        await asyncio.sleep(max(0.0, seconds))
+
 
 class FakeClock:
-    """Virtual time that moves only when told to: `sleep` advances it instantly."""
+    """Virtual time that moves only when told to: `sleep` and `asleep` advance it instantly (a
+    timer awaited on it fires at once, at its time)."""
 
     def __init__(self, start: float = 0.0):
         self._now = start
@@ -40,3 +48,7 @@ class FakeClock:
         self._now += seconds
 
     advance = sleep
+
+    async def asleep(self, seconds: float) -> None:
+        self.sleep(max(0.0, seconds))
+        await asyncio.sleep(0)  # still a turn of the event loop, as a real timer is

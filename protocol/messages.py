@@ -1,10 +1,15 @@
 """The messages that cross process boundaries: a replica's load report (replica -> router, and
-in the simulator) and a streamed token event (replica -> client). Plain frozen dataclasses, so
-they travel through Ray as they are and both ends read the same named fields."""
+in the simulator), a streamed token event (replica -> client), a health answer (replica ->
+router) and a request's move (client -> store). Plain frozen dataclasses, so they travel
+through Ray as they are and both ends read the same named fields. The router's messages are in
+`protocol.routing`, a replica's answers about itself in `protocol.replicas`, the records a run
+leaves in `protocol.records`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+
+from protocol.finish import FinishReason
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,22 @@ class LoadReport:
     prefill_tokens_pending: int = 0
     decode_tokens_made: int = 0
     tokens_made: dict[str, int] = field(default_factory=dict)
+    kv_events: KvEvents | None = None  # a paged prefix cache's changes since the last report sent
+
+
+@dataclass(frozen=True)
+class KvEvents:
+    """What entered and left a replica's prefix cache since its last batch, as chained block
+    hashes (`protocol.blocks`): a router's precise block index is kept from them. Batches are
+    numbered (`seq`, one more each batch) so a router that misses one sees the gap. `reset`: the
+    router drops what it holds of this replica first, and `stored` is then the whole cache (a
+    snapshot): sent by a replica that just started, one whose changes outgrew a report's bound,
+    or one asked for a snapshot. `stored` and `removed` never share a hash."""
+
+    seq: int
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    reset: bool = False
 
 
 @dataclass(frozen=True)
@@ -40,7 +61,7 @@ class StreamEvent:
     text: str = ""
     made: float = 0.0
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     received: float | None = None
 

@@ -3,7 +3,7 @@ lookup, so every "unknown X" error reads the same and lists what is allowed."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Generic, TypeVar
 
 from protocol.errors import SlotServeError
@@ -29,6 +29,11 @@ class Registry(Mapping[str, T], Generic[T]):
     def __init__(self, kind: str, items: Mapping[str, T]):
         self.kind = kind
         self._items = dict(items)
+
+    @classmethod
+    def of_named(cls, kind: str, items: Iterable[T]) -> Registry[T]:
+        """Items that carry their own `name` (the policy classes), under it, in the order given."""
+        return cls(kind, {item.name: item for item in items})
 
     def __getitem__(self, name: str) -> T:
         try:

@@ -4,10 +4,9 @@ cluster's replica config all take whole."""
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import ConfigDict, Field, field_validator
 
+from protocol import defaults
 from replica.kernels.cpu import CpuInfo, cpu_info
 from replica.model.loader import DEFAULT_MODEL
 from replica.scheduling.policies import POLICIES
@@ -19,13 +18,17 @@ class EngineConfig(SchedulerConfig):
 
     model: str = Field(DEFAULT_MODEL, description="built-in name or a local Hugging Face directory")
     policy: str = Field("continuous", description="batching policy (see replica.scheduling.policies.POLICIES)")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description='"auto": bfloat16 on a GPU or a CPU with bf16 matrix units, else float32'
+    dtype: defaults.Dtype = Field(
+        defaults.DTYPE, description='"auto": bfloat16 on a GPU or a CPU with bf16 matrix units, else float32'
     )
     device: str = Field("auto", description='"auto" (cuda when present), "cpu" or "cuda"')
     int8_rows: int = Field(
         0, ge=0, description="CPU: steps of at most this many rows use weight-only int8 copies (0: none)"
     )
+    fused_ops: bool = Field(
+        True, description="CPU: RMSNorm, RoPE with the K/V write and SiLU-times-up as C++ kernels where built"
+    )
+    decode_kernel: bool = Field(True, description="CPU: decode rows' attention through the C++ kernel where built")
     seed: int = 0
 
     @field_validator("policy")

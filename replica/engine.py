@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from protocol.clock import Clock, WallClock
+from protocol.messages import LoadReport
+from protocol.records import StepRecord
+from protocol.replicas import Resume
 from replica.config import EngineConfig
 from replica.errors import ConfigError, InvalidRequestError, InvariantViolation, RequestTooLongError
 from replica.scheduling.policies import make_scheduler
@@ -47,21 +50,6 @@ class RequestOutput:
     error: str | None = None
     # Set on the final output: the tokens the request made in all (a router's length estimates learn from it).
     num_output_tokens: int | None = None
-
-
-@dataclass
-class StepRecord:
-    step: int
-    start: float
-    duration: float
-    num_decode_tokens: int
-    num_prefill_tokens: int
-    context_tokens: int  # keys attended, summed over rows (SchedulerOutput.context_tokens)
-    live_slots: int
-    useful_rows: int  # rows of unfinished requests
-    computed_rows: int  # useful rows + padding rows of finished requests still in a static batch
-    num_preemptions: int
-    queue_depth: int
 
 
 @dataclass
@@ -115,9 +103,11 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         oracle_output_len: int | None = None,
+        resume: Resume | None = None,
     ) -> str:
         """Validate and queue a request; raises InvalidRequestError (naming the field) and
-        queues nothing when any part of it is wrong."""
+        queues nothing when any part of it is wrong. `resume`: the tokens another replica
+        already made for it, which become output the scheduler prefills with the prompt."""
         sampling = SamplingParams.parse(params)
         prompt_ids = self._tokenize(prompt)
         if sampling.stop and self.tokenizer is None:
@@ -144,6 +134,8 @@ class Engine:
             self.clock.now() if arrival_time is None else arrival_time,
             oracle_output_len,
         )
+        if resume is not None:
+            request.resume_from(resume.token_ids, resume.text)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -176,10 +168,47 @@ class Engine:
         so a measured run does not inherit the hits of the one before; returns blocks forgotten."""
         return self.scheduler.slots.reset_prefix_cache()
 
+    def set_arrivals_done(self, done: bool) -> None:
+        """Whether more requests may come before one of the running ones ends; with none
+        coming, a static batch need not wait to be full."""
+        self.scheduler.set_arrivals_done(done)
+
     # ---- the loop ----------------------------------------------------------------------
     @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for a slot."""
+        return self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    def wake_time(self) -> float | None:
+        """When the batching policy may admit by itself, with nothing else happening (None:
+        not by time)."""
+        return self.scheduler.wake_time()
+
+    def load_report(self, replica_id: str, queued: int = 0) -> LoadReport:
+        """The load at a step boundary, as a router reads it; `queued` counts submissions not
+        yet in the engine's queue (a serving loop's inbox)."""
+        slots = self.scheduler.slots
+        live = self.scheduler.live_requests()
+        return LoadReport(
+            replica_id,
+            self.num_waiting + queued,
+            self.num_running,
+            slots.num_free_slots,
+            slots.num_slots,
+            slots.free_kv_tokens,
+            self.clock.now(),
+            prefill_tokens_pending=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in live),
+            decode_tokens_made=sum(r.num_output_tokens for r in live),
+            tokens_made={r.request_id: r.num_output_tokens for r in live},
+        )
 
     def step(self) -> StepResult:
         out = self.scheduler.schedule()
@@ -266,7 +295,7 @@ class Engine:
 
     def wait_idle(self, next_arrival: float | None = None) -> None:
         """Nothing could run this step: sleep until the policy's timer or the next arrival."""
-        wakes = [t for t in (self.scheduler.wake_time(), next_arrival) if t is not None]
+        wakes = [t for t in (self.wake_time(), next_arrival) if t is not None]
         if not wakes:
             raise InvariantViolation(f"{self.scheduler.name}: requests wait but nothing can ever run them")
         self.clock.sleep(max(0.0, min(wakes) - self.clock.now()))
@@ -292,13 +321,14 @@ class Engine:
             for request in requests:  # all or nothing: leave no orphan queued
                 self.abort(request.request_id)
             raise
-        was_done, self.scheduler.arrivals_done = self.scheduler.arrivals_done, True
+        was_done = self.scheduler.arrivals_done
+        self.set_arrivals_done(True)
         try:
             while any(not r.is_finished for r in requests):
                 if self.step().record is None:
                     self.wait_idle()
         finally:
-            self.scheduler.arrivals_done = was_done
+            self.set_arrivals_done(was_done)
         return [completion(r, prompt) for r, prompt in zip(requests, prompts)]
 
 

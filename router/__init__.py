@@ -6,8 +6,9 @@ which is not imported here, so importing `router` does not import Ray.
 """
 
 from protocol.messages import LoadReport
+from protocol.routing import RouteRequest
 from router.errors import RoutingError
-from router.load import LoadView, ReplicaView, RouteRequest
+from router.load import LoadView, ReplicaView
 from router.policies import DEFAULT_POLICY, ROUTING_POLICIES, RoutingPolicy, make_routing_policy
 from router.router import Decision, Router
 

@@ -27,13 +27,16 @@ from concurrent.futures import Future
 import ray
 from ray.actor import ActorHandle
 
+from protocol import defaults
 from protocol.backlog import StoreBacklog
 from protocol.errors import SlotServeError
 from protocol.messages import HealthReport, LoadReport
-from protocol.telemetry import RouterTelemetry
-from router.load import RouteRequest
+from protocol.records import Decision, JsonObject
+from protocol.replicas import Unreachable
+from protocol.routing import RouteRequest, RouterView
+from protocol.telemetry_hooks import RouterTelemetry
 from router.policies import DEFAULT_POLICY
-from router.router import Decision, Router
+from router.router import Router
 
 ROUTER_ACTOR_NAME = "slotserve-router"
 FLUSH_EVERY = 100
@@ -48,7 +51,7 @@ class RouterActor:
         seed: int = 0,
         store: ActorHandle | str | None = None,
         flush_every: int = FLUSH_EVERY,
-        max_in_flight_per_replica: int = 512,
+        max_in_flight_per_replica: int = defaults.MAX_IN_FLIGHT_PER_REPLICA,
         max_in_flight: int | None = None,
         health_period: float | None = None,
         health_timeout: float = 15.0,
@@ -70,10 +73,10 @@ class RouterActor:
             max_in_flight_per_replica=max_in_flight_per_replica,
             max_in_flight=max_in_flight,
         )
-        # live metrics: `telemetry(router)` builds the exporter it is given (cluster.telemetry)
+        # live metrics: `telemetry(router)` builds the exporter it is given (cluster.prometheus_exporters)
         self._telemetry = telemetry(self._router) if telemetry else RouterTelemetry()
         self._draining: set[str] = set()
-        self._health: dict[str, HealthReport | str] = {}  # last answer per replica, or why there was none
+        self._health: dict[str, HealthReport | Unreachable] = {}  # last answer per replica
         self._restarting: set[str] = set()  # killed for a restart, not yet healthy again
         self._restarts_asked = 0
         self._store = store
@@ -85,36 +88,22 @@ class RouterActor:
                 target=self._watch, args=(health_period, health_timeout), daemon=True, name="slotserve-health"
             ).start()
 
-    def route(
-        self,
-        request_id: str,
-        prompt_len: int,
-        max_tokens: int,
-        session_id: str | None = None,
-        moved_from: str | None = None,
-        block_hashes: tuple[int, ...] | list[int] = (),
-        block_size: int = 16,
-    ) -> str:
+    def route(self, request: RouteRequest) -> str:
         """The id of the replica to send the request to (its handle is in `replicas()`).
-        `moved_from`: the replica the request is being moved off. `block_hashes`: the chained
-        hashes of the prompt's full blocks of `block_size` tokens (`protocol.blocks`), for
-        prefix-aware policies. Raises OverloadedError when the bounds are reached or no
-        replica is up."""
-        request = RouteRequest(request_id, prompt_len, max_tokens, session_id, tuple(block_hashes), block_size)
-        decision = self._telemetry.route(self._router.route, request, moved_from)
+        Raises OverloadedError when the bounds are reached or no replica is up."""
+        decision = self._telemetry.route(self._router.route, request)
         self._take_decisions()
         return decision.replica_id
 
-    def route_many(self, requests: list[tuple]) -> list[str | SlotServeError]:
-        """`route` for several requests in one call: (request_id, prompt_len, max_tokens,
-        session_id[, moved_from[, block_hashes, block_size]]) each. A call through Ray costs
-        far more than a decision, so a client routing a burst of arrivals sends them together. Each request gets its own
-        answer: a replica id, or the typed error that refused it (a duplicate id, overload),
-        so one bad request never fails the others of its burst."""
+    def route_many(self, requests: list[RouteRequest]) -> list[str | SlotServeError]:
+        """`route` for several requests in one call. A call through Ray costs far more than a
+        decision, so a client routing a burst of arrivals sends them together. Each request
+        gets its own answer: a replica id, or the typed error that refused it (a duplicate id,
+        overload), so one bad request never fails the others of its burst."""
         answers: list[str | SlotServeError] = []
         for request in requests:
             try:
-                answers.append(self.route(*request))
+                answers.append(self.route(request))
             except SlotServeError as err:
                 answers.append(err)
         return answers
@@ -123,15 +112,16 @@ class RouterActor:
         return dict(self._handles)
 
     def complete(self, request_id: str, replica_id: str | None = None, output_len: int | None = None) -> bool:
-        return self._router.complete(request_id, output_len, replica_id)
+        """See `Router.complete` (the same arguments in the same order)."""
+        return self._router.complete(request_id, replica_id, output_len)
 
-    def sync(self, decisions: list[Decision]) -> tuple[dict[str, LoadReport], dict[str, str]]:
+    def sync(self, decisions: list[Decision]) -> RouterView:
         """For a client that routes on its own (`cluster.local_routing`): record its decisions
         as this router's own, and return every replica's last load report and the replicas
         that are down (with why), so its view is this router's, one call per report interval."""
         if self._store is not None and self._run_id is not None:
             self._decisions.add(decisions)
-        return self._router.load.last_reports(), dict(self._router.down)
+        return RouterView(self._router.load.last_reports(), dict(self._router.down))
 
     def replica_lost(self, replica_id: str, reason: str) -> int:
         """A client lost its stream from the replica (the actor died, or its node): route
@@ -145,8 +135,8 @@ class RouterActor:
         self._draining.add(replica_id)
         self._router.mark_down(replica_id, "draining")
 
-    def apply_health(self, answers: dict[str, HealthReport | str]) -> None:
-        """The watcher's findings (a HealthReport, or why none came) put into effect."""
+    def apply_health(self, answers: dict[str, HealthReport | Unreachable]) -> None:
+        """The watcher's findings put into effect."""
         self._health.update(answers)
         for replica_id, answer in answers.items():
             if replica_id in self._draining:
@@ -159,7 +149,7 @@ class RouterActor:
                 elif replica_id in self._router.down:
                     self._router.mark_up(replica_id)
                 continue
-            why = answer if isinstance(answer, str) else f"unhealthy: {answer.reason}"
+            why = answer.reason if isinstance(answer, Unreachable) else f"unhealthy: {answer.reason}"
             if self._router.down.get(replica_id) != why:
                 self._router.mark_down(replica_id, why)
             if isinstance(answer, HealthReport) and replica_id not in self._restarting:
@@ -178,7 +168,7 @@ class RouterActor:
             for replica_id, handle in self._handles.items():
                 if replica_id not in pending:
                     pending[replica_id] = (handle.health.remote(), now)
-            answers: dict[str, HealthReport | str] = {}
+            answers: dict[str, HealthReport | Unreachable] = {}
             ready, _ = ray.wait([ref for ref, _ in pending.values()], num_returns=len(pending), timeout=0.5)
             for replica_id, (ref, asked) in list(pending.items()):
                 if ref in ready:
@@ -186,9 +176,10 @@ class RouterActor:
                     try:
                         answers[replica_id] = ray.get(ref)
                     except Exception as err:  # noqa: BLE001 - a dead or broken replica is an answer too
-                        answers[replica_id] = f"no health answer: {type(err).__name__}"
+                        why = f"no health answer: {type(err).__name__}"
+                        answers[replica_id] = Unreachable(replica_id, why, time.time())
                 elif now - asked > timeout:
-                    answers[replica_id] = f"no health answer within {timeout:g} s"
+                    answers[replica_id] = Unreachable(replica_id, f"no health answer within {timeout:g} s", time.time())
             if answers:
                 me.apply_health.remote(answers)
 
@@ -197,9 +188,16 @@ class RouterActor:
         self._router.set_policy(policy)
 
     def report(self, load_report: LoadReport) -> bool:
-        return self._router.report(load_report)
+        """A replica's load report (see `Router.report`). A replica whose K/V events showed a gap
+        is asked here for a snapshot, once: until it comes the router believes it holds nothing."""
+        kept = self._router.report(load_report)
+        for replica_id in self._router.block_index.take_snapshot_requests():
+            if (handle := self._handles.get(replica_id)) is not None:
+                handle.request_kv_snapshot.remote()
+        return kept
 
-    def status(self) -> dict:
+    def status(self) -> JsonObject:
+        """A read-out for people and dashboards (`slotserve status`, `slotserve top`)."""
         return {
             **self._router.status(),
             "run_id": self._run_id,

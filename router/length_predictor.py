@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from collections import OrderedDict, deque
 
-from router.load import RouteRequest
+from protocol.routing import RouteRequest
 
 
 class MeanLength:

@@ -28,25 +28,10 @@ no slot is known to be free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from protocol.messages import LoadReport
 from router.errors import RoutingError
-
-
-@dataclass(frozen=True)
-class RouteRequest:
-    """What the router needs to know about a request to place it. `block_hashes`: the chained
-    hashes of the prompt's full blocks of `block_size` tokens (`protocol.blocks`), for
-    prefix-aware policies; empty when the caller does not send them."""
-
-    request_id: str
-    prompt_len: int
-    max_tokens: int
-    session_id: str | None = None
-    block_hashes: tuple[int, ...] = ()
-    block_size: int = 16
 
 
 class ReplicaView(NamedTuple):

@@ -18,8 +18,10 @@ import random
 from collections import OrderedDict
 
 from protocol.registry import Registry
+from protocol.routing import RouteRequest
+from router.block_index import BlockIndex, InFlightBlocks
 from router.length_predictor import BucketedLength, MeanLength
-from router.load import ReplicaView, RouteRequest
+from router.load import ReplicaView
 from router.prefix_index import CAPACITY_BLOCKS, PrefixIndex
 from router.work import DECODE_WEIGHT, WorkLedger
 
@@ -45,6 +47,10 @@ class RoutingPolicy:
 
     def completed(self, request_id: str, output_len: int | None) -> None:
         """The request ended, having made `output_len` tokens (None: not known)."""
+
+    def attach_block_index(self, index: BlockIndex) -> None:
+        """The router's precise block index (kept from the replicas' K/V events); a policy
+        that scores by it keeps it."""
 
     def _pick(self, scores: list[float]) -> int:
         best = min(scores)
@@ -224,23 +230,85 @@ class PrefixAffinity(PredictedLength):
         self.index.insert(replica_id, request.block_hashes)
 
 
-ROUTING_POLICIES: Registry[type[RoutingPolicy]] = Registry(
+class PrecisePrefix(PredictedLength):
+    """`prefix_affinity`'s pricing and imbalance guard over what the replicas' caches actually
+    hold, as their K/V events report it (`router.block_index.BlockIndex`, which the router keeps
+    from the load reports), not what the router's own decisions suggest. Score: prompt tokens
+    outside the replica's longest cached prefix of the prompt plus its pending work; a replica
+    past the guard's bound scores +inf. The prompt blocks of requests in flight on a replica
+    count as cached there too (`InFlightBlocks`): it computes them on admission and cannot evict
+    them while they run, and no K/V event can say so before the prefill is done, so a burst on
+    one new prefix follows its first request instead of computing the prefix once per replica.
+
+    Ties (typically a prefix no replica holds, on equally loaded replicas) go to one of the
+    tied replicas at random (seeded), so misses spread over the least loaded rather than all
+    landing on one replica, the hotspot users of cache-aware routers report."""
+
+    name = "precise_prefix"
+
+    def __init__(
+        self,
+        seed: int = 0,
+        decode_weight: float = DECODE_WEIGHT,
+        balance_ratio: float = 1.5,
+        balance_tokens: float = 1024.0,
+    ):
+        super().__init__(seed, decode_weight)
+        self.balance_ratio, self.balance_tokens = balance_ratio, balance_tokens
+        self.index = BlockIndex()  # until the router attaches its own
+        self.in_flight = InFlightBlocks()
+        self._matched: dict[str, int] = {}  # the last scoring's matches, for `dispatched`
+
+    def attach_block_index(self, index: BlockIndex) -> None:
+        self.index = index
+
+    def scores(self, request: RouteRequest, views: list[ReplicaView]) -> list[float]:
+        pending = [self.work.score(v) for v in views]  # pending work and the wait for a slot
+        cacheable = _cacheable(request)
+        self._matched = self.index.matched_blocks(cacheable, [v.replica_id for v in views])
+        for replica_id, n in self.in_flight.matched_blocks(cacheable).items():
+            if n > self._matched.get(replica_id, n):  # a replica not in `views` is left out
+                self._matched[replica_id] = n
+        bound = self.balance_ratio * min(pending) + self.balance_tokens
+        return [
+            p + request.prompt_len - self._matched[v.replica_id] * request.block_size if p <= bound else math.inf
+            for v, p in zip(views, pending)
+        ]
+
+    def dispatched(self, request: RouteRequest, replica_id: str, now: float) -> None:
+        super().dispatched(request, replica_id, now)
+        self.index.touch(replica_id, request.block_hashes[: self._matched.get(replica_id, 0)])
+        self.in_flight.add(request.request_id, replica_id, _cacheable(request))
+
+    def completed(self, request_id: str, output_len: int | None) -> None:
+        super().completed(request_id, output_len)
+        self.in_flight.remove(request_id)
+
+    def _pick(self, scores: list[float]) -> int:
+        best = min(scores)
+        return self.rng.choice([i for i, s in enumerate(scores) if s == best])
+
+
+def _cacheable(request: RouteRequest) -> tuple[int, ...]:
+    """The prompt's block hashes a prefix cache can hit: not the block of its last token."""
+    return request.block_hashes[: max(0, (request.prompt_len - 1) // request.block_size)]
+
+
+ROUTING_POLICIES: Registry[type[RoutingPolicy]] = Registry.of_named(
     "routing policy",
-    {
-        cls.name: cls
-        for cls in (
-            RoundRobin,
-            RandomChoice,
-            LeastQueue,
-            MostFreeSlots,
-            LeastLoaded,
-            PowerOfTwo,
-            SessionAffinity,
-            LeastWork,
-            PredictedLength,
-            PrefixAffinity,
-        )
-    },
+    (
+        RoundRobin,
+        RandomChoice,
+        LeastQueue,
+        MostFreeSlots,
+        LeastLoaded,
+        PowerOfTwo,
+        SessionAffinity,
+        LeastWork,
+        PredictedLength,
+        PrefixAffinity,
+        PrecisePrefix,
+    ),
 )
 
 DEFAULT_POLICY = LeastLoaded.name

@@ -11,29 +11,19 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
+from protocol import defaults
 from protocol.clock import Clock, WallClock
 from protocol.errors import OverloadedError
 from protocol.messages import LoadReport
+from protocol.rates import CompletionRate
+from protocol.records import Decision
+from protocol.routing import RouteRequest
+from router.block_index import BlockIndex
 from router.errors import RoutingError
-from router.load import LoadView, RouteRequest
+from router.load import LoadView
 from router.policies import DEFAULT_POLICY, make_routing_policy
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One routing decision. `scores` and `in_flight` are what the policy saw, before this
-    request was counted; `signal_age` is the age of the oldest load report that went into a
-    score (None when the policy used none, or no replica has reported yet)."""
-
-    request_id: str
-    replica_id: str
-    time: float
-    policy: str
-    scores: dict[str, float]
-    signal_age: float | None
-    in_flight: dict[str, int]
 
 
 class Router:
@@ -44,7 +34,7 @@ class Router:
         clock: Clock | None = None,
         seed: int = 0,
         max_decisions: int = 10_000,
-        max_in_flight_per_replica: int = 512,
+        max_in_flight_per_replica: int = defaults.MAX_IN_FLIGHT_PER_REPLICA,
         max_in_flight: int | None = None,
     ):
         """`max_decisions` bounds the undrained decision log; past it the oldest are dropped
@@ -61,9 +51,11 @@ class Router:
         self.max_in_flight = max_in_flight or max_in_flight_per_replica * len(replica_ids)
         self.down: dict[str, str] = {}  # replica id -> why it gets no requests
         self.rejected = 0
-        self._completions: deque[float] = deque(maxlen=64)
+        self._completions = CompletionRate()
         self.seed = seed
+        self.block_index = BlockIndex()  # what each replica's prefix cache holds, from its K/V events
         self.policy = make_routing_policy(policy, seed)
+        self.policy.attach_block_index(self.block_index)
         self.clock = clock or WallClock()
         self.load = LoadView(replica_ids)
         self._decisions: deque[Decision] = deque(maxlen=max_decisions)
@@ -74,11 +66,11 @@ class Router:
     def replica_ids(self) -> list[str]:
         return self.load.replica_ids
 
-    def route(self, request: RouteRequest, moved_from: str | None = None) -> Decision:
+    def route(self, request: RouteRequest) -> Decision:
         """Choose a replica that is up and under its bound, count the request in flight there,
-        and log the decision. `moved_from`: the request is being moved off that replica (lost
-        or draining), so its place there is released first."""
-        owner = self.load.owner(request.request_id)
+        and log the decision. A request `moved_from` a replica (lost or draining) releases its
+        place there first."""
+        owner, moved_from = self.load.owner(request.request_id), request.moved_from
         if owner is not None and owner == moved_from:
             self.load.completed(request.request_id, moved_from)
         elif owner is not None:
@@ -129,12 +121,9 @@ class Router:
         return OverloadedError(where, limit, retry_after, detail)
 
     def retry_after(self, ahead: int) -> float:
-        """Seconds until `ahead` more requests complete at the recent completion rate, clamped
-        to [0.05, 60] (1 s before two completions give a rate)."""
-        t = self._completions
-        if len(t) < 2 or t[-1] <= t[0]:
-            return 1.0
-        return min(60.0, max(0.05, ahead * (t[-1] - t[0]) / (len(t) - 1)))
+        """Seconds until `ahead` more requests complete at the recent completion rate
+        (`protocol.rates`, the replicas' estimate too)."""
+        return self._completions.retry_after(ahead)
 
     def mark_down(self, replica_id: str, reason: str) -> list[str]:
         """Route nothing to the replica until `mark_up`; the requests in flight on it are
@@ -153,8 +142,9 @@ class Router:
         requests in flight and load reports carry over, so consecutive runs compare policies
         on the same view."""
         self.policy = make_routing_policy(policy, self.seed)
+        self.policy.attach_block_index(self.block_index)
 
-    def complete(self, request_id: str, output_len: int | None = None, replica_id: str | None = None) -> bool:
+    def complete(self, request_id: str, replica_id: str | None = None, output_len: int | None = None) -> bool:
         """The request ended on its replica, having made `output_len` tokens (if known: policies
         that estimate output lengths learn from it). With `replica_id`, only its owner's word
         counts (a replica it was moved off may still report it). Idempotent; returns whether it
@@ -164,13 +154,15 @@ class Router:
         self.policy.completed(request_id, output_len)
         done = self.load.completed(request_id, replica_id)
         if done:
-            self._completions.append(self.clock.now())
+            self._completions.add(self.clock.now())
         return done
 
     def report(self, load: LoadReport) -> bool:
         """A replica's load report; returns whether it was kept (not stale, replica known)."""
         if not isinstance(load, LoadReport):
             raise RoutingError(f"a load report must be a LoadReport, got {type(load).__name__}")
+        if load.kv_events is not None and load.replica_id in self.load.replica_ids:
+            self.block_index.apply(load.replica_id, load.kv_events)  # in batch order, even from a stale report
         return self.load.update(load)
 
     def drain_decisions(self) -> list[Decision]:
@@ -185,6 +177,7 @@ class Router:
         if self.load.replica_ids == [replica_id]:
             raise RoutingError(f"cannot remove {replica_id!r}: it is the last replica")
         self.load.remove_replica(replica_id)
+        self.block_index.forget(replica_id)
         self.down.pop(replica_id, None)
 
     def status(self) -> dict:
@@ -200,6 +193,12 @@ class Router:
             "down": dict(self.down),
             "max_in_flight": self.max_in_flight,
             "max_in_flight_per_replica": self.max_in_flight_per_replica,
+            "kv_index": {  # the precise block index the replicas' K/V events keep
+                "blocks": {r: self.block_index.num_blocks(r) for r in self.load.replica_ids},
+                "gaps": self.block_index.gaps,
+                "ignored": self.block_index.ignored,
+                "snapshots_wanted": sorted(self.block_index.snapshots_wanted),
+            },
             "replicas": {
                 v.replica_id: {
                     "in_flight": v.in_flight,

@@ -46,7 +46,7 @@ def replay(engine: Engine, workload: Workload, seed: int = 0, progress: bool = F
             )
             requests[rid], index_of[rid] = engine.requests[rid], i
             lateness.append(now - (t0 + planned))
-        engine.scheduler.arrivals_done = schedule.waiting_on_ends
+        engine.set_arrivals_done(schedule.waiting_on_ends)
         result = engine.step()
         for output in result.outputs:
             if output.finished:

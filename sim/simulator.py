@@ -3,7 +3,7 @@
 Nothing here re-implements a policy. Each simulated replica is a real `replica.engine.Engine`
 (so the real scheduler of its batching policy) whose runner pays a cost model's step time on
 the replica's own `FakeClock`; routing is done by a real `router.router.Router`, fed the
-same load reports the replicas send in the cluster (`replica.serving.loop.load_report`, sent at
+same load reports the replicas send in the cluster (`replica.engine.Engine.load_report`, sent at
 step boundaries and throttled by `report_due`) and told of every completion. So a policy
 compared here is the same object that runs on the cluster.
 
@@ -34,26 +34,19 @@ from metrics.definitions import RequestTrace
 from metrics.recording import record_run
 from protocol.blocks import block_hashes
 from protocol.clock import FakeClock
-from protocol.errors import SlotServeError
+from protocol.errors import OverloadedError, SlotServeError
+from protocol.routing import RouteRequest
 from replica.config import EngineConfig
 from replica.engine import Engine, StepRecord, StepResult
 from replica.errors import InvariantViolation
 from replica.model.fake import CostModel, FlatCostModel, SimulationRunner
+from replica.scheduling.kv_events import with_kv_events
 from replica.scheduling.request import Request
-from replica.serving.loop import load_report, report_due
-from router.load import RouteRequest
+from replica.serving.loop import report_due
 from router.policies import DEFAULT_POLICY, ROUTING_POLICIES
 from router.router import Decision, Router
 from sim.replay import request_trace
-from workloads.capacity import (
-    PREFILL_PROBE_ROUNDS,
-    PROBE_MAX_TOKENS,
-    PROBE_PROMPT_LEN,
-    Capacity,
-    decode_rate,
-    prefill_probe_len,
-    prefill_rate,
-)
+from workloads.capacity import Capacity, probe_capacity
 from workloads.schedule import ArrivalSchedule
 from workloads.workload import Workload, WorkloadRequest, request_prompt
 
@@ -158,6 +151,7 @@ class Simulator:
                 else:
                     self.replicas[index].wake_at = None
                     self._dirty.add(index)
+            self._run_timers(now)
             self._admit_arrivals(now)
             for index in sorted(self._dirty):
                 if not self.replicas[index].busy:
@@ -178,7 +172,19 @@ class Simulator:
 
     def _next_time(self) -> float | None:
         times = [t for t in (self.schedule.next_time(), self._events[0][0] if self._events else None) if t is not None]
-        return max(min(times), self.clock.now()) if times else None
+        if not times:
+            return None  # a subclass's timers never keep a run going that has nothing left to do
+        timer = self._next_timer()
+        return max(min(times if timer is None else [*times, timer]), self.clock.now())
+
+    def _next_timer(self) -> float | None:
+        """When a subclass's own timer is next due (`sim.autoscaling`: a scaling decision, a
+        replica's cold start ending); None: none."""
+        return None
+
+    def _run_timers(self, now: float) -> None:
+        """A subclass's timers due at `now`, run after the step ends and before the arrivals of
+        that time (so a replica ready at `now` can take them)."""
 
     def _admit_arrivals(self, now: float) -> None:
         due = self.schedule.due(now)
@@ -186,9 +192,9 @@ class Simulator:
             rid = f"{self.workload.name}-{index}"
             self._arrivals[rid] = Arrival(index, spec, planned)
             prompt = request_prompt(self.config.seed, index, spec, self.config.vocab_size)
-            decision = self.router.route(self._route_request(rid, spec, prompt))
-            replica = self._by_id[decision.replica_id]
             try:
+                decision = self.router.route(self._route_request(rid, spec, prompt))
+                replica = self._by_id[decision.replica_id]
                 replica.engine.add_request(
                     prompt,
                     {"max_tokens": spec.output_len, "ignore_eos": True},
@@ -196,10 +202,11 @@ class Simulator:
                     arrival_time=planned,
                     oracle_output_len=spec.output_len,
                 )
-            except SlotServeError as err:  # refused at submission, as the cluster's driver records it
+            except SlotServeError as err:  # refused by the router or at submission, as the cluster's driver records it
                 self._errors[rid] = str(err)
+                rejected = isinstance(err, (ValueError, OverloadedError))
                 self._done[rid] = RequestTrace(
-                    rid, planned, [], now, "rejected" if isinstance(err, ValueError) else "error", spec.prompt_len, None
+                    rid, planned, [], now, "rejected" if rejected else "error", spec.prompt_len, None
                 )
                 self.router.complete(rid)
                 self.schedule.finished(index, now)
@@ -225,7 +232,7 @@ class Simulator:
         if done != self._arrivals_done:
             self._arrivals_done = done
             for i, replica in enumerate(self.replicas):
-                replica.engine.scheduler.arrivals_done = done
+                replica.engine.set_arrivals_done(done)
                 self._dirty.add(i)
 
     def _start_step(self, index: int, now: float) -> None:
@@ -250,7 +257,7 @@ class Simulator:
             if output.finished:
                 request, replica_id = self._requests[output.request_id]
                 self._done[output.request_id] = request_trace(request, output.time, replica_id)
-                self.router.complete(output.request_id, request.num_output_tokens)
+                self.router.complete(output.request_id, output_len=request.num_output_tokens)
                 self.schedule.finished(self._arrivals[output.request_id].index, now)
         self._steps[replica.replica_id].append(result.record)
         self._report(replica)
@@ -258,10 +265,10 @@ class Simulator:
         self._tell_arrivals_done()
 
     def _report(self, replica: _Replica, force: bool = False) -> None:
-        load = load_report(replica.engine, replica.replica_id)
+        load = replica.engine.load_report(replica.replica_id)
         if force or report_due(load, load.time - replica.last_report):
             replica.last_report = load.time
-            self.router.report(load)
+            self.router.report(with_kv_events(load, replica.engine.scheduler.slots))
 
     def _check_all_ended(self) -> None:
         """Every request ends exactly once; anything else is a stuck policy or a lost request."""
@@ -298,15 +305,10 @@ def simulate(
 
 
 def measure_capacity(config: SimulationConfig, cost: CostModel | None = None) -> Capacity:
-    """The simulated cluster's capacity (`workloads.capacity`), by the probes the real cluster
-    is measured with, on virtual time: every slot decoding, then every slot prefilling."""
+    """The simulated cluster's capacity, by the probes the real cluster is measured with
+    (`workloads.capacity.probe_capacity`), on virtual time."""
     slots = config.num_replicas * config.engine.num_slots
-    probe = Workload("capacity-probe", 0, [WorkloadRequest(0.0, PROBE_PROMPT_LEN, PROBE_MAX_TOKENS)] * slots)
-    decode = decode_rate(t.token_times for t in simulate(probe, config, cost).traces)
-    prompt_len = prefill_probe_len(config.engine.max_seq_len)
-    probe = Workload("prefill-probe", 0, [WorkloadRequest(0.0, prompt_len, 1)] * (PREFILL_PROBE_ROUNDS * slots))
-    traces = simulate(probe, config, cost).traces
-    return Capacity(decode, prefill_rate(prompt_len, (t.token_times[0] for t in traces), 0.0))
+    return probe_capacity(lambda probe: simulate(probe, config, cost).traces, slots, config.engine.max_seq_len)
 
 
 def cost_description(cost: CostModel) -> dict[str, Any]:

@@ -1,16 +1,20 @@
 """The paged cache's block manager alone (no engine): blocks taken as a request grows and
 conserved, prefix hits only on whole equal prefixes of computed blocks, the last token always
 left to compute, and freed cached blocks reused before they are evicted (plain free blocks
-first, then least recently freed, a prefix's tail before its head)."""
+first, then least recently freed, a prefix's tail before its head); the blocks are filed under
+`protocol.blocks`' hashes, the ones a client sends and a router indexes; both cache tables answer
+the scheduler's one interface."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from replica.scheduling.block_manager import BlockManager
+from protocol.blocks import block_hashes, cacheable_block_hashes
+from replica.scheduling.block_manager import BlockManager, PagedSlotTable
 from replica.scheduling.request import Request, SamplingParams
 from replica.scheduling.scheduler import SchedulerConfig
+from replica.scheduling.slot_table import SlotTable, TokenSlotTable
 
 BS = 4
 
@@ -52,6 +56,38 @@ def test_hits_need_the_whole_prefix_equal():
     assert m.prefix_hits(request([1, 2, 3, 4, 5, 6, 7, 8, 0])) == a.block_table[:2]
     assert m.prefix_hits(request([1, 2, 3, 4, 0, 6, 7, 8, 9])) == a.block_table[:1]
     assert m.prefix_hits(request([0, 2, 3, 4, 5, 6, 7, 8, 9])) == []
+
+
+def test_cached_blocks_are_filed_under_the_protocol_block_hashes():
+    """The hashes the cache files a request's computed blocks under are `protocol.blocks`' for
+    its tokens, so a router's index names the same prefix the same way; a hit is looked up
+    under `cacheable_block_hashes` of the prompt."""
+    m = BlockManager(num_blocks=16, block_size=BS, prefix_caching=True)
+    tokens = [5, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    a = computed(m, tokens, "a")
+    assert a.block_hashes == block_hashes(tokens, BS)
+    assert [m.blocks[b].hash for b in a.block_table[:2]] == block_hashes(tokens, BS)
+    prompt = tokens[:8] + [7]
+    hits = m.prefix_hits(request(prompt))
+    assert [m.blocks[b].hash for b in hits] == cacheable_block_hashes(prompt, BS) and len(hits) == 2
+
+
+def test_both_tables_answer_the_scheduler_each_reserving_its_own_way():
+    """TokenSlotTable reserves by the token, PagedSlotTable by the block (9 tokens: 3 blocks of
+    4); both are SlotTables, the interface the scheduler asks, which alone cannot be built."""
+    token, paged = TokenSlotTable(2, 16), PagedSlotTable(2, 16, num_blocks=8, block_size=BS)
+    for table, reserved in ((token, 9), (paged, 12)):
+        assert isinstance(table, SlotTable)
+        r = request(range(6))
+        assert table.can_admit(r, 6)
+        table.admit(r, 6)
+        assert table.owner(r.slot) is r and table.num_used_slots == 1
+        assert table.reserve(r, 9) and table.used_kv_tokens == reserved
+        table.check_invariants()
+        table.release(r)
+        assert table.num_free_slots == 2 and table.used_kv_tokens == 0
+    with pytest.raises(TypeError, match="abstract"):
+        SlotTable(2, 16)
 
 
 def test_hits_leave_the_last_token_to_compute():

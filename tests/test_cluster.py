@@ -21,6 +21,7 @@ from cluster.driver import run_workload
 from metrics.store import MetricsStore
 from replica import Engine, EngineConfig, InvalidRequestError
 from replica.serving.loop import ReplicaConfig
+from tests.waiting import wait_until
 from workloads import bursty_mix
 
 FAKE = ReplicaConfig(engine=EngineConfig(num_slots=4, max_seq_len=256), fake_step_seconds=0.005)
@@ -34,6 +35,31 @@ def local_ray(tmp_path):
     ray.shutdown()
 
 
+def replay_bursty(
+    deployment, store_path, seed: int, routing_policy: str = "least_loaded", client_routing: str = "actor"
+) -> tuple[MetricsStore, int]:
+    """24 bursty requests replayed by the driver through a two-replica cluster: every one is
+    recorded as ended at its full length, both replicas served, every decision is recorded."""
+    workload = bursty_mix(num_requests=24, rate=50.0, seed=seed)
+    run_id = run_workload(
+        deployment,
+        workload,
+        name=f"bursty-{client_routing}",
+        config={},
+        batching_policy="continuous",
+        routing_policy=routing_policy,
+        progress=False,
+        client_routing=client_routing,
+    )
+    store = MetricsStore(store_path)
+    traces = store.traces(run_id)
+    assert len(traces) == 24 and all(t.finish_reason == "length" for t in traces)
+    assert sorted(t.num_output_tokens for t in traces) == sorted(r.output_len for r in workload.requests)
+    assert {t.replica for t in traces} == {"replica-0", "replica-1"}
+    assert len(store.decisions(run_id)) == 24
+    return store, run_id
+
+
 def test_fake_cluster_serves_streams_and_records(local_ray):
     """Two fake replicas behind the router: concurrent streamed requests all finish, each
     token arrives as its own event, both replicas serve, and the driver records every
@@ -45,23 +71,8 @@ def test_fake_cluster_serves_streams_and_records(local_ray):
     assert [len(e.token_ids) for e in events] == [1] * 8 and events[-1].finish_reason == "length"
     assert events[0].time < events[-1].made
 
-    workload = bursty_mix(num_requests=24, rate=50.0, seed=1)
-    run_id = run_workload(
-        deployment,
-        workload,
-        name="t",
-        config={},
-        batching_policy="continuous",
-        routing_policy="least_loaded",
-        progress=False,
-    )
-    store = MetricsStore(store_path)
-    traces = store.traces(run_id)
-    assert len(traces) == 24 and all(t.finish_reason == "length" for t in traces)
-    assert sorted(t.num_output_tokens for t in traces) == sorted(r.output_len for r in workload.requests)
-    assert {t.replica for t in traces} == {"replica-0", "replica-1"}
-    assert len(store.decisions(run_id)) == 24
-    assert sum(s["decode_tokens"] + s["prefill_tokens"] > 0 for s in store.steps(run_id)) > 10
+    store, run_id = replay_bursty(deployment, store_path, seed=1)
+    assert sum(s["num_decode_tokens"] + s["num_prefill_tokens"] > 0 for s in store.steps(run_id)) > 10
     assert store.run(run_id)["status"] == "complete"
 
 
@@ -69,7 +80,8 @@ def test_bad_input_through_the_client_is_a_clear_error(local_ray):
     """Invalid fields fail fast at the client with the field named; an empty prompt is
     refused by the replica and comes back as InvalidRequestError; a stream its consumer
     leaves is aborted without disturbing the next request; the cluster keeps serving."""
-    start_cluster(ClusterSpec(num_replicas=1, replica=FAKE, store_path=str(local_ray / "s.db")))
+    deployment = start_cluster(ClusterSpec(num_replicas=1, replica=FAKE, store_path=str(local_ray / "s.db")))
+    replica = deployment.replicas["replica-0"]
     client = Client()
     with pytest.raises(InvalidRequestError, match="temperature"):
         client.generate([1], temperature=-1)
@@ -82,7 +94,7 @@ def test_bad_input_through_the_client_is_a_clear_error(local_ray):
     left = client.stream([5, 6], max_tokens=200, ignore_eos=True)
     next(left)
     left.close()  # aborts it; the replica's final event for it must be dropped quietly
-    time.sleep(0.5)
+    wait_until(lambda: ray.get(replica.health.remote()).running == 0, what="the left stream's abort")
     assert client.generate([1, 2], max_tokens=3, ignore_eos=True).finish_reason == "length"
 
 
@@ -116,7 +128,7 @@ def test_replicas_spread_over_nodes():
         ray.init(address=cluster.address, namespace="slotserve", log_to_driver=False)
         deployment = start_cluster(ClusterSpec(num_replicas=2, replica=FAKE, store_path="/tmp/slotserve-multinode.db"))
         infos = ray.get([r.info.remote() for r in deployment.replicas.values()], timeout=120)
-        assert len({i["node_id"] for i in infos}) == 2
+        assert len({i.node_id for i in infos}) == 2
         with Client() as client:
             results = [client.generate([i + 1, 2], max_tokens=4, ignore_eos=True) for i in range(6)]
         assert all(len(r.token_ids) == 4 for r in results)
@@ -144,6 +156,15 @@ DRIVER = textwrap.dedent("""
 """)
 
 
+def recorded(path) -> int:
+    """Request rows in the store file so far (none before the driver has made it)."""
+    try:
+        with sqlite3.connect(path) as conn:
+            return conn.execute("select count(*) from requests").fetchone()[0]
+    except sqlite3.OperationalError:  # no file or no table yet
+        return 0
+
+
 def test_store_survives_a_killed_driver(tmp_path):
     """Kill the driver mid-run: the store file opens, the requests that finished are there,
     and the run reads as incomplete."""
@@ -153,13 +174,7 @@ def test_store_survives_a_killed_driver(tmp_path):
     )
     try:
         assert proc.stdout.readline().strip() == "started"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            time.sleep(1)
-            if path.exists():
-                with sqlite3.connect(path) as conn:
-                    if conn.execute("select count(*) from requests").fetchone()[0] >= 32:
-                        break
+        wait_until(lambda: recorded(path) >= 32, 120, "32 request rows in the store", every=0.5)
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(timeout=60)
@@ -221,7 +236,8 @@ def test_async_burst_is_routed_in_one_call_per_loop_turn(local_ray):
     assert calls == [6]
     assert {r.replica_id for r in results} == {"replica-0", "replica-1"}
     assert all(len(r.token_ids) == 2 for r in results)
-    deadline = time.monotonic() + 30  # completions reach the router from the replicas, on their own time
-    while sum(r["in_flight"] for r in ray.get(deployment.router.status.remote())["replicas"].values()):
-        assert time.monotonic() < deadline, "completions never reached the router"
-        time.sleep(0.1)
+    wait_until(  # completions reach the router from the replicas, on their own time
+        lambda: sum(r["in_flight"] for r in ray.get(deployment.router.status.remote())["replicas"].values()) == 0,
+        30,
+        "completions to reach the router",
+    )

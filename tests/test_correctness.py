@@ -2,9 +2,11 @@
 request run alone: for every batching policy, for the default model (slow) and for local
 GPT-2 and Qwen2 directories, and with preemption forced by a tiny K/V budget; on the slot
 cache and on the paged cache (with prefix caching, whose sharing of a system prompt's blocks
-is checked on its own too)."""
+is checked on its own too); and with the C++ kernels turned off, torch's operators alone."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -128,7 +130,13 @@ def check_prefix_sharing(hf, runner, cases, block_size: int = 8, max_tokens: int
 def tiny(request, tiny_gpt2_dir, tiny_qwen2_dir):
     path = {"gpt2": tiny_gpt2_dir, "qwen2": tiny_qwen2_dir}[request.param]
     hf, tok = load_hf_model(path)
-    return hf, make_runners(path), make_prompts(tok)
+    runners = make_runners(path)
+    runners["torch"] = ModelRunner(
+        EngineConfig(
+            model=path, dtype="float32", num_slots=SLOTS, max_seq_len=256, fused_ops=False, decode_kernel=False
+        )
+    )
+    return hf, runners, make_prompts(tok)
 
 
 @pytest.mark.parametrize("kv", list(KV))
@@ -154,6 +162,18 @@ def test_tiny_model_prefix_sharing_matches_transformers(tiny):
     transformers (see check_prefix_sharing)."""
     hf, runners, cases = tiny
     check_prefix_sharing(hf, runners["paged"], cases)
+
+
+@pytest.mark.parametrize("policy", ["mixed", "chunked"])
+def test_tiny_models_match_transformers_with_the_cpu_kernels_off(tiny, policy):
+    """EngineConfig(fused_ops=False, decode_kernel=False) reaches the model, which then runs
+    torch's operators only (RMSNorm, RoPE, the cache write, SiLU, SDPA for decode rows) and still
+    decodes like transformers; the default config takes the kernels where they are built."""
+    hf, runners, cases = tiny
+    assert not runners["torch"].model.fused_ops and not runners["torch"].model.decode_kernel
+    if shutil.which("c++"):
+        assert runners["slot"].model.fused_ops and runners["slot"].model.decode_kernel
+    check_policy_outputs(hf, runners["torch"], policy, cases)
 
 
 def test_runner_cache_must_match_engine_cache(tiny):

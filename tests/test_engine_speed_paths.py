@@ -60,19 +60,18 @@ def test_bf16_packed_and_int8_products_match_fp32(rows):
     assert torch.equal(got, bf16(x.bfloat16()).float()) == (rows > 3)
 
 
-def test_gathered_attention_equals_the_range_view(monkeypatch):
-    """Decodes in scattered slots (gathered) and the same decodes read through the slot range."""
-    monkeypatch.setattr("replica.model.attention.USE_DECODE_KERNEL", False)  # SDPA's layouts (the kernel needs none)
+def test_gathered_attention_equals_the_range_view():
+    """Decodes in scattered slots (gathered) and the same decodes read through the slot range
+    (SDPA's layouts: the decode kernel needs neither)."""
     torch.manual_seed(0)
     k, v = torch.randn(64, 3, 40, 16), torch.randn(64, 3, 40, 16)
     q = torch.randn(3, 9, 16)
     slots, positions = [2, 30, 61], [5, 39, 17]
 
     def run(spread: int) -> torch.Tensor:
-        monkeypatch.setattr("replica.model.attention.GATHER_SPREAD", spread)
-        group = build_group([0, 1, 2], slots, [0, 0, 0], positions, 3, "cpu")
+        group = build_group([0, 1, 2], slots, [0, 0, 0], positions, 3, "cpu", gather_spread=spread)
         assert (group.kv_slots is not None) == (spread == 2)
-        return slot_attention(q, k, v, AttentionMetadata(torch.tensor(slots), [group], 3))
+        return slot_attention(q, k, v, AttentionMetadata(torch.tensor(slots), [group], 3), decode_kernel=False)
 
     gathered, ranged = run(2), run(10**9)
     torch.testing.assert_close(gathered, ranged)
@@ -85,7 +84,7 @@ def test_gathered_attention_equals_the_range_view(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 24])
-def test_decode_kernel_equals_sdpa(monkeypatch, dtype, head_dim):
+def test_decode_kernel_equals_sdpa(dtype, head_dim):
     """The C++ decode kernel and the SDPA path give the same attention for decode rows in scattered
     slots, listed out of slot order, with grouped K/V heads, next to a prefill chunk's rows (which
     stay on SDPA); head_dim 24 takes the kernel's scalar tail."""
@@ -105,8 +104,7 @@ def test_decode_kernel_equals_sdpa(monkeypatch, dtype, head_dim):
     meta = AttentionMetadata(torch.tensor(slots + [9, 9, 9]), groups, 3)
 
     def run(kernel: bool) -> torch.Tensor:
-        monkeypatch.setattr("replica.model.attention.USE_DECODE_KERNEL", kernel)
-        return slot_attention(q, k, v, meta).float()
+        return slot_attention(q, k, v, meta, decode_kernel=kernel).float()
 
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(run(True), run(False), rtol=tol, atol=tol)

@@ -324,7 +324,7 @@ def test_ray_serve_routers_run_beside_slotserve_in_one_file(tmp_path, capsys, lo
     ]
     for run in runs:
         assert len(store.requests(run["run_id"])) == 16
-        assert sum(s["prefill_tokens"] for s in store.steps(run["run_id"])) > 0
+        assert sum(s["num_prefill_tokens"] for s in store.steps(run["run_id"])) > 0
         # each prefill probe's prompts are new to the prefix cache: the rate is what computing
         # them costs (at most 1 / c_prefill per replica), not the rate of cache hits
         assert 0 < run["config"]["capacity_prefill_tokens_per_s"] < 2 / (0.00005 * 2.0)

@@ -72,7 +72,7 @@ def running(tmp_path_factory):
     replica = ReplicaConfig(engine=EngineConfig(num_slots=4, max_seq_len=256), fake_step_seconds=0.005)
     path = tmp_path_factory.mktemp("fuzz") / "s.db"
     deployment = start_cluster(ClusterSpec(num_replicas=2, replica=replica, store_path=str(path)))
-    pids = {rid: ray.get(h.info.remote())["pid"] for rid, h in deployment.replicas.items()}
+    pids = {rid: ray.get(h.info.remote()).pid for rid, h in deployment.replicas.items()}
     client = Client()
     good = {"done": 0, "wrong": [], "stop": threading.Event()}
 
@@ -93,7 +93,7 @@ def running(tmp_path_factory):
     good["stop"].set()
     thread.join(timeout=60)
     assert good["done"] >= 20 and not good["wrong"], good["wrong"][:3]
-    assert {rid: ray.get(h.info.remote())["pid"] for rid, h in deployment.replicas.items()} == pids  # none died
+    assert {rid: ray.get(h.info.remote()).pid for rid, h in deployment.replicas.items()} == pids  # none died
     assert all(ray.get(h.health.remote()).healthy for h in deployment.replicas.values())
     client.close()
     stop_cluster()

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -26,6 +27,7 @@ from cluster.deploy import ClusterSpec, Deployment, start_cluster, stop_cluster
 from metrics.store import MetricsStore
 from replica import EngineConfig
 from replica.serving.loop import ReplicaConfig
+from tests.waiting import wait_until
 
 MODEL = "fake"
 KEY = "test-key"
@@ -60,7 +62,7 @@ class Served:
     def running(self) -> int:
         """Requests running or waiting on the replicas, as they report it."""
         infos = ray.get([r.info.remote() for r in self.deployment.replicas.values()], timeout=30)
-        return sum(i["load"].running + i["load"].queue_depth for i in infos)
+        return sum(i.load.running + i.load.queue_depth for i in infos)
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +75,7 @@ def served(tmp_path_factory):
     server = http_server(ingress, "127.0.0.1", port, KEY)
     thread = threading.Thread(target=asyncio.run, args=(serve_http(ingress, server),), daemon=True)
     thread.start()
-    deadline = time.time() + 60
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: server.started, 60, "the HTTP server to start")
     yield Served(f"http://127.0.0.1:{port}", deployment, store_path, ingress.recorder.run_id)
     server.should_exit = True
     thread.join(timeout=60)
@@ -210,13 +210,11 @@ def test_disconnected_stream_frees_its_slot(served):
                     break
             assert served.running() == 1
     closed = time.monotonic()
-    while served.running() and time.monotonic() - closed < 5:
-        time.sleep(0.005)
+    wait_until(lambda: served.running() == 0, 5, "the disconnected stream's slot", every=0.005)
     freed_after = time.monotonic() - closed
-    assert served.running() == 0 and freed_after < 0.5, freed_after
+    assert freed_after < 0.5, freed_after
     print(f"slot freed {freed_after * 1000:.0f} ms after the disconnect")
-    time.sleep(1.5)  # the recorder flushes every second
-    rows = [r for r in MetricsStore(served.store_path).requests(served.run_id) if r["session_id"] == "gone"]
+    rows = _recorded(served, lambda r: r["session_id"] == "gone")
     assert len(rows) == 1 and rows[0]["finish_reason"] == "abort" and rows[0]["output_len"] < 250
 
 
@@ -225,9 +223,8 @@ def test_every_request_is_recorded_in_the_run(served):
     session, prompt and output lengths, and one time per token."""
     response = served.post("/v1/completions", {"model": MODEL, "prompt": [3, 4, 5, 6], "max_tokens": 7, "user": "bob"})
     request_id = response.json()["id"]
-    time.sleep(1.5)
+    (row,) = _recorded(served, lambda r: r["request_id"] == request_id)
     store = MetricsStore(served.store_path)
-    row = next(r for r in store.requests(served.run_id) if r["request_id"] == request_id)
     assert (row["session_id"], row["prompt_len"], row["output_len"], row["finish_reason"]) == ("bob", 4, 7, "length")
     assert row["replica_id"] in ("replica-0", "replica-1") and row["first_token"] > row["arrival"]
     trace = next(t for t in store.traces(served.run_id) if t.request_id == request_id)
@@ -245,14 +242,15 @@ def test_serve_command_joins_the_cluster_and_closes_its_run(served, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli.main", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     try:
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_until(healthy, 90, "`slotserve serve` to answer", every=0.2)
         url = f"http://127.0.0.1:{port}/v1/completions"
         body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 4}
         assert httpx.post(url, json=body, headers={"Authorization": "Bearer env-key"}).status_code == 200
@@ -264,3 +262,70 @@ def test_serve_command_joins_the_cluster_and_closes_its_run(served, tmp_path):
     assert "joined the slotserve cluster" in output and "closed with 1 requests" in output
     run = next(r for r in MetricsStore(served.store_path).runs() if r["name"] == "cli")
     assert run["status"] == "complete"
+
+
+def _rows(served: Served, keep: Callable[[dict], bool]) -> list[dict]:
+    """The serve run's rows that `keep` picks, as recorded so far."""
+    return [r for r in MetricsStore(served.store_path).requests(served.run_id) if keep(r)]
+
+
+def _recorded(served: Served, keep: Callable[[dict], bool], at_least: int = 1) -> list[dict]:
+    """The serve run's rows that `keep` picks, once there are `at_least` (the recorder sends
+    its rows every second)."""
+
+    def enough() -> list[dict] | None:
+        rows = _rows(served, keep)
+        return rows if len(rows) >= at_least else None
+
+    return wait_until(enough, 10, f"{at_least} recorded row(s)")
+
+
+def test_refused_bad_requests_are_recorded_invalid_with_their_status(served):
+    """A bad sampling value (400), a body field OpenAI does not define (400, refused by the
+    body's model) and another model's name (404) each become a row of the serve run ended
+    `invalid`, its status in the error; an overload refusal stays `rejected` (429), so bad
+    input never reads as overload."""
+    before = {r["request_id"] for r in _rows(served, lambda r: r["finish_reason"] == "invalid")}
+    bodies = [
+        ({"model": MODEL, "prompt": [1], "temperature": -1}, 400, "temperature"),
+        ({"model": MODEL, "prompt": [1], "frobnicate": 1}, 400, "frobnicate"),
+        ({"model": "gpt-4", "prompt": [1]}, 404, "gpt-4"),
+    ]
+    for body, status, _ in bodies:
+        assert served.post("/v1/completions", body).status_code == status
+    rows = _recorded(served, lambda r: r["finish_reason"] == "invalid" and r["request_id"] not in before, 3)
+    assert len(rows) == 3
+    for row, (_, status, word) in zip(sorted(rows, key=lambda r: r["arrival"]), bodies):
+        assert row["error"].startswith(f"HTTP {status}: ") and word in row["error"], row["error"]
+        assert row["replica_id"] is None and row["output_len"] == 0
+    rejected = _rows(served, lambda r: r["finish_reason"] == "rejected")
+    assert all(r["error"].startswith("HTTP 429: ") for r in rejected)
+
+
+def test_metrics_has_ttft_and_e2e_histograms(served):
+    """/metrics has the ingress's time to first token and end-to-end latency as histograms
+    by route, in the replicas' buckets: cumulative counts, one observation per answered
+    request, and each request's end after its first token."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from metrics.live import LATENCY_BUCKETS
+
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": [2, 3], "max_tokens": 5, "stream": stream}
+        assert served.post("/v1/completions", body).status_code == 200
+    text = httpx.get(f"{served.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    answered = sum(
+        s.value
+        for s in families["slotserve_http_requests"].samples
+        if s.name.endswith("_total") and s.labels == {"route": "/v1/completions", "status": "200"}
+    )
+    sums = {}
+    for name in ("slotserve_http_time_to_first_token_seconds", "slotserve_http_e2e_request_latency_seconds"):
+        samples = [s for s in families[name].samples if s.labels.get("route") == "/v1/completions"]
+        buckets = [s for s in samples if s.name.endswith("_bucket")]
+        assert [float(s.labels["le"]) for s in buckets] == [*LATENCY_BUCKETS, float("inf")]
+        counts = [s.value for s in buckets]
+        assert counts == sorted(counts) and counts[-1] == answered >= 2
+        sums[name] = next(s.value for s in samples if s.name.endswith("_sum"))
+    assert 0 < sums["slotserve_http_time_to_first_token_seconds"] < sums["slotserve_http_e2e_request_latency_seconds"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import openai
 import pytest
@@ -18,6 +17,7 @@ from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
 from replica import EngineConfig
 from replica.serving.loop import ReplicaConfig
 from tests.test_http_api import free_port
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
@@ -36,8 +36,7 @@ def api(tmp_path_factory):
     server = http_server(ingress, "127.0.0.1", port, None)
     thread = threading.Thread(target=asyncio.run, args=(serve_http(ingress, server),), daemon=True)
     thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    wait_until(lambda: server.started, 60, "the HTTP server to start")
     yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
     server.should_exit = True
     thread.join(timeout=60)

@@ -15,17 +15,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from cli.main import main
-from cluster.telemetry import ReplicaExporter, RouterExporter
+from cluster.prometheus_exporters import ReplicaExporter, RouterExporter
 from dashboards import build
 from dashboards.push import GrafanaPushError, push
 from dashboards.queries import panel_queries
 from metrics.definitions import SLO
 from metrics.live import METRICS
 from protocol.clock import FakeClock
+from protocol.routing import RouteRequest
 from replica import Engine, EngineConfig
 from replica.model.fake import FlatCostModel, ScriptedFakeRunner
-from replica.serving.loop import load_report
-from router.load import RouteRequest
 from router.router import Router
 
 
@@ -96,7 +95,8 @@ def test_replica_exporter_counts_tokens_latencies_and_goodput_on_a_fake_clock():
             if output.finished:
                 exporter.on_finish(output)
         exporter.on_step(result.record)
-        exporter.on_load(load_report(engine, "r0"))
+        exporter.on_load(engine.load_report("r0"))
+    exporter.on_load(engine.load_report("r0"))  # idle: the serving loop reports once more, no step between
     exporter.on_reject("q-bad")
 
     assert recorder.total("generation_tokens_total", run="7") == 15
@@ -254,3 +254,110 @@ def test_dashboard_push_and_render_fail_clearly(grafana, capsys):
         push(grafana, "wrong")
     assert main(["dashboard", "render", "--prometheus", "http://127.0.0.1:9", "--out", "/tmp/x"]) == 2
     assert "cannot reach Prometheus at http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def _run_engine(exporter: ReplicaExporter, engine: Engine, after_step=None) -> None:
+    """The serving loop's order of hooks: finishes, the step, its load report; once idle, one more report."""
+    while engine.has_unfinished:
+        result = engine.step()
+        for output in result.outputs:
+            if output.finished:
+                exporter.on_finish(output)
+        exporter.on_step(result.record)
+        exporter.on_load(engine.load_report("r0"))
+        if after_step is not None:
+            after_step(result.record)
+    exporter.on_load(engine.load_report("r0"))
+
+
+def test_slot_gauges_after_a_step_show_the_slots_it_held():
+    """Six one-token requests on 2 slots: each ends in the step that prefills it, so between
+    steps no request holds a slot, yet every step ran 2; the gauges read the step's 2 (what
+    occupancy counts), and 0 once the replica is idle."""
+    clock = FakeClock()
+    engine = Engine(EngineConfig(num_slots=2, max_seq_len=64), ScriptedFakeRunner(clock, FlatCostModel(0.01)), clock)
+    exporter = ReplicaExporter("r0", engine, model="fake", slo=SLO(), refresh=None)
+    exporter.series = recorder = _Recorder()
+    for i in range(6):
+        exporter.on_submit(engine.add_request([1, 2, i], {"max_tokens": 1, "ignore_eos": True}, f"q{i}"))
+    seen = []
+
+    def check(record) -> None:
+        seen.append((engine.load_report("r0").running, recorder.total("num_requests_running")))
+        assert recorder.total("slots_used") == record.live_slots == 2
+
+    _run_engine(exporter, engine, check)
+    assert seen == [(0, 2)] * 3
+    assert recorder.total("num_requests_running") == 0 and recorder.total("slots_used") == 0
+
+
+def test_capacity_probe_requests_are_counted_under_the_probe_run():
+    """While probe requests (ids `probe-...`) run, the replica's counters and latencies and the
+    router's dispatches carry run="probe"; the run set before and after is untouched by them."""
+    from metrics.live import PROBE_REQUEST_PREFIX, PROBE_RUN
+
+    clock = FakeClock()
+    engine = Engine(EngineConfig(num_slots=2, max_seq_len=64), ScriptedFakeRunner(clock, FlatCostModel(0.01)), clock)
+    exporter = ReplicaExporter("r0", engine, model="fake", slo=SLO(), refresh=None)
+    exporter.series = recorder = _Recorder()
+    exporter.set_run(7)
+    for i in range(3):
+        rid = f"{PROBE_REQUEST_PREFIX}{i}"
+        exporter.on_submit(engine.add_request([1, 2, i], {"max_tokens": 4, "ignore_eos": True}, rid))
+    _run_engine(exporter, engine)
+    exporter.on_submit(engine.add_request([5, 6], {"max_tokens": 3, "ignore_eos": True}, "real"))
+    _run_engine(exporter, engine)
+    assert recorder.total("generation_tokens_total", run=PROBE_RUN) == 12
+    assert recorder.total("generation_tokens_total", run="7") == 3
+    assert recorder.total("requests_finished_total", run=PROBE_RUN) == 3
+    assert recorder.total("requests_finished_total", run="7") == 1
+
+    router = Router(["a", "b"], "round_robin", clock=FakeClock())
+    routed = RouterExporter(router)
+    routed.series = decisions = _Recorder()
+    routed.set_run(7)
+    routed.route(router.route, RouteRequest(f"{PROBE_REQUEST_PREFIX}x", 4, 4))
+    routed.route(router.route, RouteRequest("y", 4, 4))
+    assert decisions.total("router_dispatches_total", run=PROBE_RUN) == 1
+    assert decisions.total("router_dispatches_total", run="7") == 1
+
+
+def test_occupancy_figure_draws_every_run_it_is_given():
+    """An experiment of 14 rows gets 14 occupancy panels, in order (none left out of the figure)."""
+    from metrics.plots import occupancy_figure
+
+    steps = [{"replica_id": "replica-0", "start": float(t), "live_slots": t % 3, "num_slots": 2} for t in range(5)]
+    names = [f"policy-{i} load 0.9 (run {i})" for i in range(14)]
+    fig = occupancy_figure({name: steps for name in names}, "sweep")
+    assert [ax.get_title() for ax in fig.axes if ax.get_visible()] == names
+
+
+def test_rendered_panels_share_the_range_and_label_ticks_apart():
+    """Two panels with data over different parts of the range both span all of it; a share of
+    49.9% to 50.1% is drawn on 0-100% with distinct tick labels; a decision time of tens of
+    microseconds is labelled in µs (not "0 ms"); a bar gauge at 0 still shows its value."""
+    import matplotlib.pyplot as plt
+
+    from dashboards.prometheus import Series
+    from dashboards.render import DrawnPanel, draw
+
+    start, end = 1_000_000.0, 1_000_600.0
+    share = DrawnPanel(
+        "Dispatch share per replica",
+        "timeseries",
+        "percentunit",
+        [(r, Series({}, [(start + 300 + t, 0.5 + d * (-1) ** t) for t in range(60)])) for r, d in (("a", 1e-3),)],
+    )
+    decision = DrawnPanel("Decision time", "timeseries", "s", [("p99", Series({}, [(end - 60, 2e-5), (end, 4e-5)]))])
+    slots = DrawnPanel("Slots in use now", "bargauge", "percentunit", [("a", Series({}, [(start, 0.0)]))])
+    fig, axes = plt.subplots(1, 3)
+    for ax, panel in zip(axes, (share, decision, slots)):
+        draw(ax, panel, start, end)
+    fig.canvas.draw()
+    assert axes[0].get_xlim() == axes[1].get_xlim()
+    assert axes[0].get_ylim() == (0.0, 1.0)
+    share_ticks = [t.get_text() for t in axes[0].get_yticklabels()]
+    assert len(set(share_ticks)) == len(share_ticks) > 2
+    assert all(t.get_text().endswith("µs") for t in axes[1].get_yticklabels() if t.get_text())
+    assert [t.get_text() for t in axes[2].texts] == ["0.0%"]
+    plt.close(fig)

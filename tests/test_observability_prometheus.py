@@ -25,7 +25,7 @@ import ray
 from cluster.client import Client
 from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
 from cluster.driver import run_workload
-from cluster.telemetry import write_service_discovery
+from cluster.prometheus_exporters import write_service_discovery
 from dashboards.build import DASHBOARD_FILE, prometheus_config
 from dashboards.panels import OCCUPANCY
 from dashboards.prometheus import Prometheus
@@ -33,8 +33,10 @@ from dashboards.queries import fill, panel_queries
 from dashboards.render import render
 from metrics.definitions import SLO
 from metrics.store import MetricsStore
+from protocol.routing import RouteRequest
 from replica import EngineConfig
 from replica.serving.loop import ReplicaConfig
+from tests.waiting import wait_until
 from workloads import bursty_mix
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,15 +62,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _wait(what: str, check, timeout: float = 90.0, every: float = 0.5):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if value := check():
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 async def _pressure(client: Client) -> None:
@@ -110,7 +103,7 @@ def live(tmp_path_factory):
             stderr=subprocess.PIPE,
         )
         api = Prometheus(f"http://127.0.0.1:{port}")
-        _wait("Prometheus to start", api.ready, timeout=60)
+        wait_until(api.ready, 60, "Prometheus to start", every=0.5)
 
         client = Client()
         started = time.time()
@@ -120,9 +113,9 @@ def live(tmp_path_factory):
         asyncio.run(_pressure(client))
         with pytest.raises(Exception, match="too long|exceeds"):  # refused by the replica: outcome "rejected"
             client.generate(list(range(300)), max_tokens=4)
-        ray.get(deployment.router.route.remote("twice", 4, 4))
+        ray.get(deployment.router.route.remote(RouteRequest("twice", 4, 4)))
         with pytest.raises(ray.exceptions.RayTaskError, match="already in flight"):  # a router rejection
-            ray.get(deployment.router.route.remote("twice", 4, 4))
+            ray.get(deployment.router.route.remote(RouteRequest("twice", 4, 4)))
         ray.get(deployment.router.complete.remote("twice"))
 
         workload = bursty_mix(num_requests=160, rate=7.0, seed=3)
@@ -141,7 +134,12 @@ def live(tmp_path_factory):
         steps = store.steps(run_id)
         # Wait until Prometheus has the run's last step (export every 1 s, scrape every 1 s).
         count = f'sum(slotserve_steps_total{{run="{run_id}"}})'
-        _wait("the run's steps in Prometheus", lambda: (r := api.query(count)) and r[0].points[0][1] == len(steps))
+
+        def all_steps_in() -> bool:
+            answer = api.query(count)
+            return bool(answer) and answer[0].points[0][1] == len(steps)
+
+        wait_until(all_steps_in, 90, "the run's steps in Prometheus", every=0.5)
         yield {
             "api": api,
             "deployment": deployment,
@@ -206,7 +204,7 @@ def test_dashboard_occupancy_agrees_with_the_replicas_step_samples(live):
             window = [
                 s["live_slots"] / s["num_slots"]
                 for s in steps
-                if s["replica_id"] == replica and at - WINDOW - 1 < s["time"] <= at - 1
+                if s["replica_id"] == replica and at - WINDOW - 1 < s["start"] <= at - 1
             ]
             if window and series.finite:
                 differences.append(abs(series.points[0][1] - sum(window) / len(window)))

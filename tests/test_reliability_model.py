@@ -39,9 +39,12 @@ def deployment(tmp_path_factory):
     ray.shutdown()
 
 
-async def stream_all(client: Client, received: list[list[int]]) -> list[list[int]]:
+async def stream_all(
+    client: Client, received: list[list[int]], streamed_8: asyncio.Event | None = None
+) -> list[list[int]]:
     """One session, routed by session_affinity: all four requests run on one replica, so killing
-    it moves every one of them, greedy and seeded alike. `received[i]` grows as tokens arrive."""
+    it moves every one of them, greedy and seeded alike. `received[i]` grows as tokens arrive;
+    `streamed_8` is set once every request has 8 of them."""
 
     async def one(i: int) -> list[int]:
         async for event in client.astream(
@@ -49,6 +52,8 @@ async def stream_all(client: Client, received: list[list[int]]) -> list[list[int
         ):
             assert event.error is None, event.error
             received[i] += event.token_ids
+            if streamed_8 is not None and min(map(len, received)) >= 8:
+                streamed_8.set()
         return received[i]
 
     return await asyncio.gather(*[one(i) for i in range(len(PROMPTS))])
@@ -66,10 +71,10 @@ def test_greedy_and_seeded_outputs_survive_a_replica_kill(deployment):
     async def with_a_kill():
         received: list[list[int]] = [[] for _ in PROMPTS]
         with Client() as client:
-            task = asyncio.ensure_future(stream_all(client, received))
-            while min(map(len, received)) < 8:
-                await asyncio.sleep(0.02)
-                assert not task.done(), "the run ended before the kill: raise MAX_TOKENS"
+            streamed_8 = asyncio.Event()
+            task = asyncio.ensure_future(stream_all(client, received, streamed_8))
+            await asyncio.wait_for(streamed_8.wait(), 600)
+            assert not task.done(), "the run ended before the kill: raise MAX_TOKENS"
             statuses = ray.get(deployment.router.status.remote())["replicas"]
             victim = max(statuses, key=lambda r: statuses[r]["in_flight"])
             assert statuses[victim]["in_flight"] >= len(PROMPTS)  # (completions may still be on their way)

@@ -425,20 +425,20 @@ def test_router_actor_routes_and_ships_decisions_to_the_store(dummy_actors):
     handles = {"r0": DummyReplica.remote(), "r1": DummyReplica.remote()}
     router = RouterActor.remote(handles, policy="least_loaded", store=store)
     assert get(router.report.remote(load("r0", queue=5, running=4, free=0, t=0.0)))
-    assert get(router.route.remote("a", 16, 32)) == "r1"
+    assert get(router.route.remote(RouteRequest("a", 16, 32))) == "r1"
     replicas = get(router.replicas.remote())
     assert get(replicas["r1"].ping.remote()) == "pong"
     get(router.set_run.remote(1))
-    assert get(router.route.remote("b", 16, 32, "sess")) == "r1"
+    assert get(router.route.remote(RouteRequest("b", 16, 32, "sess"))) == "r1"
     assert get(router.complete.remote("a")) is True
     status = get(router.status.remote())
     assert status["run_id"] == 1 and status["replicas"]["r1"]["in_flight"] == 1
     assert status["replicas"]["r0"]["report"]["queue_depth"] == 5
     get(router.set_policy.remote("round_robin"))
     get(router.set_run.remote(2))
-    assert get(router.route.remote("c", 16, 32)) == "r0"  # round robin ignores r0's queue
+    assert get(router.route.remote(RouteRequest("c", 16, 32))) == "r0"  # round robin ignores r0's queue
     get(router.set_run.remote(None))
-    get(router.route.remote("d", 16, 32))  # outside any run: not recorded
+    get(router.route.remote(RouteRequest("d", 16, 32)))  # outside any run: not recorded
     get(router.flush.remote())
     rows = [(run, row) for run, batch in get(store.get.remote()) for row in batch]
     assert [(run, row["request_id"], row["policy"]) for run, row in rows] == [
@@ -466,7 +466,7 @@ def test_router_actor_batches_writes_and_survives_a_failing_store(dummy_actors):
     router = RouterActor.remote(handles, policy="round_robin", store=store, flush_every=3)
     get(router.set_run.remote(1))
     for i in range(7):
-        assert get(router.route.remote(f"q{i}", 8, 8)) == "r0"
+        assert get(router.route.remote(RouteRequest(f"q{i}", 8, 8))) == "r0"
     get(router.flush.remote())
     batches = [len(rows) for _, rows in get(store.get.remote())]
     assert sum(batches) == 7 and batches[0] == 3 and all(b >= 3 for b in batches[:-1]), batches
@@ -474,7 +474,7 @@ def test_router_actor_batches_writes_and_survives_a_failing_store(dummy_actors):
     broken = RouterActor.remote(handles, policy="round_robin", store=DummyStore.remote(fail=True), flush_every=3)
     get(broken.set_run.remote(1))
     for i in range(7):
-        assert get(broken.route.remote(f"q{i}", 8, 8)) == "r0"
+        assert get(broken.route.remote(RouteRequest(f"q{i}", 8, 8))) == "r0"
     get(broken.flush.remote())
     status = get(broken.status.remote())
     assert (status["decisions_lost"], status["decisions_waiting"], status["routed"]) == (7, 0, 7)

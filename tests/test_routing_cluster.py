@@ -10,12 +10,13 @@ import ray
 
 from cluster.client import Client
 from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
-from cluster.driver import run_workload
 from metrics.store import MetricsStore
 from protocol.clock import FakeClock
 from replica import Engine, EngineConfig, InvalidRequestError
 from replica.model.fake import FlatCostModel, ScriptedFakeRunner
 from replica.serving.loop import ReplicaConfig
+from tests.test_cluster import replay_bursty
+from tests.waiting import wait_until
 from workloads import bursty_mix
 
 PAGED = EngineConfig(num_slots=4, max_seq_len=256, kv_cache="paged", prefix_caching=True, block_size=16)
@@ -67,30 +68,14 @@ def test_routing_in_the_client_serves_records_and_learns(local_ray):
     actor by the sync thread), nothing stays counted in flight, and the length estimate
     learned from the finished requests' output lengths."""
     path, deployment = local_ray
-    store_path = path / "store.db"
     ray.get(deployment.router.set_policy.remote("predicted_length"))
-    workload = bursty_mix(num_requests=24, rate=50.0, seed=2)
-    run_id = run_workload(
-        deployment,
-        workload,
-        name="local",
-        config={},
-        batching_policy="continuous",
-        routing_policy="predicted_length",
-        progress=False,
-        client_routing="local",
-    )
-    store = MetricsStore(store_path)
-    traces = store.traces(run_id)
-    assert len(traces) == 24 and all(t.finish_reason == "length" for t in traces)
-    assert {t.replica for t in traces} == {"replica-0", "replica-1"}
-    decisions = store.decisions(run_id)
-    assert len(decisions) == 24 and {d["policy"] for d in decisions} == {"predicted_length"}
+    store, run_id = replay_bursty(deployment, path / "store.db", 2, "predicted_length", client_routing="local")
+    assert {d["policy"] for d in store.decisions(run_id)} == {"predicted_length"}
 
     with pytest.raises(InvalidRequestError, match="routing"):
         Client(routing="nearby")
     with Client(routing="local") as client:
-        local = client._local
+        local = client.local_router
         assert local.policy == "predicted_length" and local.syncs >= 1
         client.generate([7] * 20, max_tokens=5, ignore_eos=True, session_id="s")
         router = local._router
@@ -100,35 +85,38 @@ def test_routing_in_the_client_serves_records_and_learns(local_ray):
         assert probe == 5
 
 
+@pytest.mark.timeout(300)
 def test_ray_serve_peer_serves_the_same_engine_and_records(local_ray):
     """The replica engine as a Ray Serve deployment: with Serve's default router a workload
     replayed through it is recorded in the store with every token (both replicas serving) and
-    every replica's step records (written when the run id, broadcast through Serve's
-    user_config, is taken back); with Serve's PrefixCacheAffinityRouter, prompts of token ids
-    sharing a 64-token prefix all go to one replica, which it can only know from the
+    every replica's step records (which ride on the token stream); static batches of 2 on 13
+    requests leave one replica a last request alone, which starts only because the replicas
+    hear that no more requests are coming. With Serve's PrefixCacheAffinityRouter, prompts of
+    token ids sharing a 64-token prefix all go to one replica, which it can only know from the
     token-per-character prompt text."""
     from cluster.serve_baseline import ServeBaseline, ServeRequest, token_text
     from cluster.store_actor import StoreActor
 
     path = local_ray[0] / "serve.db"
     store_actor = StoreActor.remote(str(path))
-    config = ReplicaConfig(engine=EngineConfig(num_slots=2, max_seq_len=256), fake_step_seconds=0.005)
+    static = ReplicaConfig(engine=EngineConfig(policy="static", num_slots=2, max_seq_len=256), fake_step_seconds=0.005)
     baseline = None
     try:
-        baseline = ServeBaseline(config, 2, "serve_power_of_two", store_actor, num_cpus=0.5)
-        workload = bursty_mix(num_requests=12, rate=40.0, seed=3)
-        run_id = baseline.run_workload(workload, name="serve", config={}, batching_policy="continuous", vocab_size=1000)
+        baseline = ServeBaseline(static, 2, "serve_power_of_two", store_actor, num_cpus=0.5)
+        workload = bursty_mix(num_requests=13, rate=40.0, seed=3)
+        run_id = baseline.run_workload(workload, name="serve", config={}, batching_policy="static", vocab_size=1000)
         store = MetricsStore(path)
         traces = store.traces(run_id)
-        assert len(traces) == 12 and all(t.finish_reason == "length" for t in traces)
+        assert len(traces) == 13 and all(t.finish_reason == "length" for t in traces)
         assert sorted(t.num_output_tokens for t in traces) == sorted(workload.output_lens)
         assert len({t.replica for t in traces}) == 2 and store.run(run_id)["routing_policy"] == "serve_power_of_two"
         steps = store.steps(run_id)
         assert {s["replica_id"] for s in steps} == {t.replica for t in traces}
-        assert sum(s["prefill_tokens"] for s in steps) == sum(r.prompt_len for r in workload.requests)
+        assert sum(s["num_prefill_tokens"] for s in steps) == sum(r.prompt_len for r in workload.requests)
         baseline.shutdown()
 
-        baseline = ServeBaseline(config, 2, "serve_prefix_cache", store_actor, num_cpus=0.5)
+        continuous = static.model_copy(update={"engine": static.engine.model_copy(update={"policy": "continuous"})})
+        baseline = ServeBaseline(continuous, 2, "serve_prefix_cache", store_actor, num_cpus=0.5)
         prefix = list(range(200, 264))
         replicas = set()
         for i in range(4):
@@ -143,27 +131,32 @@ def test_ray_serve_peer_serves_the_same_engine_and_records(local_ray):
 
 
 def _route(request_id: str, prompt_len: int, session: str):
-    from router.load import RouteRequest
+    from protocol.routing import RouteRequest
 
     return RouteRequest(request_id, prompt_len, 64, session)
 
 
-def test_verdict_names_the_winner_and_whether_it_holds():
-    """The closing line of `slotserve run`: the winner on goodput and on TTFT p99, by how
-    much, and 'holds' only when its worst round beats the runner-up's best."""
-    from metrics.verdict import verdict_line, verdict_table
+def test_a_gap_in_kv_events_brings_a_snapshot_from_the_replica(local_ray):
+    """On Ray: when a replica's K/V event batches show a gap (here batches numbered far ahead,
+    as if the ones between were lost), the router drops what it held of that replica and asks
+    the replica actor for a snapshot, whose next load report carries its whole prefix cache:
+    the router's index of it is back, and nothing is wanted any more."""
+    from protocol.messages import KvEvents, LoadReport
 
-    def run(goodput: float, p99: float) -> dict:
-        return {"cluster": {"goodput": goodput, "ttft": {"p99": p99}}}
+    _, deployment = local_ray
+    ray.get(deployment.router.set_policy.remote("precise_prefix"))
+    with Client() as client:
+        served = client.generate(list(range(500, 564)) + [7] * 8, max_tokens=2).replica_id
 
-    by_policy = {
-        "round_robin": [run(100, 2.0), run(110, 1.0), run(105, 1.5)],
-        "least_loaded": [run(130, 1.4), run(120, 1.2), run(125, 0.9)],
-    }
-    line = verdict_line(by_policy)
-    assert "goodput (tok/s): least_loaded 125 vs round_robin 105, 1.19x higher" in line
-    assert "holds: its worst of 3 rounds beats round_robin's best" in line
-    assert "TTFT p99 (s): least_loaded 1.2 vs round_robin 1.5, 1.25x lower" in line
-    assert line.endswith("within run-to-run noise)")
-    assert "least_loaded" in verdict_table(by_policy).splitlines()[2]
-    assert verdict_line({"one": [run(1, 1)]}).endswith("nothing to compare")
+    def index() -> dict:
+        return ray.get(deployment.router.status.remote())["kv_index"]
+
+    wait_until(lambda: index()["blocks"][served] >= 4, 20, "the 4 full blocks of its 64 prompt tokens in the index")
+    gaps = index()["gaps"]
+    for seq in range(10**6, 10**6 + 9):  # more than the router holds ahead of a missing batch
+        events = KvEvents(seq, stored=[seq], removed=[])
+        ray.get(deployment.router.report.remote(LoadReport(served, 0, 0, 4, 4, 1024, 0.0, kv_events=events)))
+    assert index()["gaps"] == gaps + 1
+    wait_until(
+        lambda: index()["snapshots_wanted"] == [] and index()["blocks"][served] >= 4, 20, "the snapshot to be indexed"
+    )

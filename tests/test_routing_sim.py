@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from metrics.definitions import SLO, summarize
-from metrics.report import analyze, format_report
+from metrics.goodput_report import analyze, format_report
 from metrics.store import open_store
 from replica.config import EngineConfig
 from sim.cost_model import FittedCostModel

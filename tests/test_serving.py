@@ -1,6 +1,7 @@
 """The replica's serving loop (no Ray): concurrent requests stream their tokens while the
 engine steps in a background thread; bad requests are refused without disturbing the
-others; a consumer that goes away aborts its request."""
+others; a consumer that goes away aborts its request. The loop runs on a FakeClock (the
+engine's), so its timers fire at once, at their time, and no test waits on the wall clock."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ import asyncio
 
 import pytest
 
-from protocol.clock import WallClock
+from protocol.clock import FakeClock
 from replica import Engine, EngineConfig, FinishReason, InvalidRequestError
 from replica.model.fake import FlatCostModel, LinearCostModel, ScriptedFakeRunner
 from replica.serving.loop import AsyncEngine, ReplicaConfig, build_engine
 
 
 def make(policy: str = "continuous", slots: int = 4, step: float = 0.002, **kw):
-    clock = WallClock()
+    clock = FakeClock()
     runner = ScriptedFakeRunner(clock, FlatCostModel(step))
     finished, steps, loads = [], [], []
     serving = AsyncEngine(
@@ -79,10 +80,8 @@ def test_consumer_that_stops_reading_aborts_its_request():
         stream = serving.generate([5, 6], {"max_tokens": 100, "ignore_eos": True}, "x")
         await stream.__anext__()
         await stream.aclose()
-        for _ in range(200):
-            if finished:
-                break
-            await asyncio.sleep(0.01)
+        while not finished:  # the abort is applied before the next step; no wall time passes
+            await asyncio.sleep(0)
 
     asyncio.run(asyncio.wait_for(main(), 60))
     assert [o.finish_reason for o in finished] == [FinishReason.ABORT]
@@ -90,18 +89,13 @@ def test_consumer_that_stops_reading_aborts_its_request():
 
 
 def test_dynamic_policy_wakes_on_its_timer():
-    """With 'dynamic', a lone request waits max_wait for company, then runs without any new arrival."""
+    """With 'dynamic', a lone request waits max_wait for company (on the engine's clock), then
+    runs without any new arrival."""
     serving, runner, _, steps, _ = make(policy="dynamic", max_wait=0.1)
 
-    async def main():
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        outs = await collect(serving, [7], 3, "lone")
-        return outs, loop.time() - start
-
-    outs, elapsed = asyncio.run(asyncio.wait_for(main(), 60))
+    outs = asyncio.run(asyncio.wait_for(collect(serving, [7], 3, "lone"), 60))
     assert [t for o in outs for t in o.new_token_ids] == runner.continuation([7], 3)
-    assert elapsed >= 0.1
+    assert steps[0].start == pytest.approx(0.1)  # arrived at 0, admitted when max_wait ran out
 
 
 def test_prefix_cache_reset_happens_between_steps_and_a_repeat_then_hits_nothing():

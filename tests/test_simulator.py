@@ -15,8 +15,8 @@ import pytest
 
 from cli.calibrate import add_parser as add_calibrate_command
 from metrics.definitions import RequestTrace
+from metrics.goodput_report import analyze, format_report
 from metrics.recording import step_row
-from metrics.report import analyze, format_report
 from metrics.store import StoreError, open_store
 from protocol.clock import FakeClock
 from replica import POLICIES, Engine, EngineConfig
@@ -25,7 +25,7 @@ from replica.model.fake import FlatCostModel, ScriptedFakeRunner
 from replica.scheduling.request import Request, SamplingParams
 from replica.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 from router.router import Router
-from sim.calibrate import ProbeCell, calibrate, grid, measure
+from sim.calibration import ProbeCell, calibrate, grid, measure
 from sim.cost_model import FittedCostModel, StepFeatures
 from sim.replay import replay
 from sim.simulator import SimulationConfig, Simulator, record_simulation, simulate

@@ -12,13 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cli.report import add_parser as add_report_command
 from metrics.definitions import SLO
-from metrics.report import analyze, format_report
+from metrics.goodput_report import analyze, format_report
+from metrics.recording import decision_row, step_row
 from metrics.store import MetricsStore, StoreError, UnknownRunError, open_store
-from replica.engine import StepRecord
+from protocol.records import Decision, StepRecord
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,20 +50,25 @@ def request(
 
 
 def step(replica: str, n: int, live: int, useful: int, computed: int, slots: int = 4, preemptions: int = 0) -> dict:
-    return {
-        "replica_id": replica,
-        "step": n,
-        "time": float(n),
-        "duration": 0.01,
-        "live_slots": live,
-        "num_slots": slots,
-        "queue_depth": 0,
-        "decode_tokens": live,
-        "prefill_tokens": 0,
-        "useful_rows": useful,
-        "computed_rows": computed,
-        "preemptions": preemptions,
-    }
+    record = StepRecord(
+        step=n,
+        start=float(n),
+        duration=0.01,
+        num_decode_tokens=live,
+        num_prefill_tokens=0,
+        context_tokens=live,
+        live_slots=live,
+        useful_rows=useful,
+        computed_rows=computed,
+        num_preemptions=preemptions,
+        queue_depth=0,
+    )
+    return step_row(replica, record, slots)
+
+
+def decision(rid: str, replica: str, scores: dict[str, float], signal_age: float | None = None) -> dict:
+    in_flight = dict.fromkeys(scores, 0)
+    return decision_row(Decision(rid, replica, 0.0, "least_loaded", scores, signal_age, in_flight))
 
 
 @pytest.fixture
@@ -84,20 +91,7 @@ def mixed_run(store) -> int:
         ],
     )
     store.add_steps(run, [step("a", 0, 2, 2, 2), step("a", 1, 4, 3, 4, preemptions=2), step("b", 0, 1, 1, 1)])
-    store.add_decisions(
-        run,
-        [
-            {
-                "request_id": "r1",
-                "time": 0.0,
-                "policy": "least-loaded",
-                "replica_id": "a",
-                "scores": {"a": 0, "b": 1},
-                "signal_age": 0.02,
-                "in_flight": {"a": 0, "b": 1},
-            }
-        ],
-    )
+    store.add_decisions(run, [decision("r1", "a", {"a": 0, "b": 1}, signal_age=0.02)])
     store.end_run(run)
     return run
 
@@ -127,41 +121,46 @@ def test_schema_round_trip(store, mixed_run):
 
 
 def test_a_store_of_the_previous_schema_is_migrated_in_place(tmp_path):
-    """A store written before steps recorded context tokens (schema 1) opens: its rows read as
-    before with context_tokens NULL, and new steps carry it."""
+    """A store of schema 3 (four step columns named apart from StepRecord's fields) opens: its
+    rows read under the record's names, and new steps are written beside them."""
     import sqlite3
 
-    from metrics.store import SCHEMA, SCHEMA_VERSION
+    from metrics.store import SCHEMA_VERSION
 
     path = tmp_path / "old.db"
-    old_schema = "\n".join(line for line in SCHEMA.splitlines() if "context_tokens" not in line)
+    open_store(path).close()
     conn = sqlite3.connect(path)
-    conn.executescript(f"{old_schema}\nPRAGMA user_version=1;")
+    for old in ("time", "decode_tokens", "prefill_tokens", "preemptions"):  # schema 3's names
+        new = {"time": "start"}.get(old, f"num_{old}")
+        conn.execute(f"ALTER TABLE steps RENAME COLUMN {new} TO {old}")
     conn.execute(
         "INSERT INTO runs (name, started, status, batching_policy, routing_policy, seed, simulated) "
         "VALUES ('old', 0, 'complete', 'continuous', 'round_robin', 0, 0)"
     )
-    conn.execute("INSERT INTO steps (run_id, replica_id, step, duration, decode_tokens) VALUES (1, 'a', 0, 0.1, 3)")
+    # run, replica, slots, step, time, duration, decode, prefill, context, live, useful, computed, preemptions, queue
+    conn.execute("INSERT INTO steps VALUES (1, 'a', 4, 0, 2.5, 0.1, 3, 0, 3, 1, 1, 1, 2, 0)")
+    conn.execute("PRAGMA user_version=3")
     conn.commit()
     conn.close()
     store = open_store(path)
-    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     [old] = store.steps(1)
-    assert (old["decode_tokens"], old["context_tokens"]) == (3, None)
-    store.add_steps(1, [{**step("a", 1, 2, 2, 2), "context_tokens": 77}])
-    assert store.steps(1)[1]["context_tokens"] == 77
+    assert (old["start"], old["num_decode_tokens"], old["num_preemptions"]) == (2.5, 3, 2)
+    store.add_steps(1, [step("a", 1, 2, 2, 2)])
+    assert [s["step"] for s in store.steps(1)] == [0, 1]
     store.close()
-    assert open_store(path).steps(1)[1]["context_tokens"] == 77  # opening a migrated store again is a no-op
+    assert len(open_store(path).steps(1)) == 2  # opening a migrated store again is a no-op
 
 
 def test_json_columns_take_dicts_or_json_text(store):
     """A JSON column given its text (as the router sends scores) is stored once, not encoded
     twice, so it reads back as the same dict; text that is not a JSON object is refused."""
     run = store.begin_run("json", {}, "continuous", "round-robin", 0)
-    store.add_decisions(run, [{"request_id": "r1", "scores": json.dumps({"a": None, "b": 2.0}), "in_flight": {"a": 1}}])
+    row = {**decision("r1", "a", {"a": 0.0}), "scores": json.dumps({"a": None, "b": 2.0}), "in_flight": {"a": 1}}
+    store.add_decisions(run, [row])
     assert store.decisions(run)[0]["scores"] == {"a": None, "b": 2.0}
     with pytest.raises(StoreError, match="column 'scores' takes a dict"):
-        store.add_decisions(run, [{"request_id": "r2", "scores": "a=1"}])
+        store.add_decisions(run, [{**decision("r2", "a", {}), "scores": "a=1"}])
 
 
 def test_bad_batch_is_named_and_written_not_at_all(store):
@@ -288,7 +287,7 @@ def test_idle_replica_counts_in_imbalance(store):
     zero in the imbalance (2 requests on a, none on b -> max/mean 2.0), with empty latency rows."""
     run = store.begin_run("idle", {}, "continuous", "round-robin", 0)
     store.add_requests(run, [request("r1", "a", 0.0, 2), request("r2", "a", 0.0, 2)])
-    store.add_decisions(run, [{"request_id": "r1", "replica_id": "a", "scores": {"a": 0.0, "b": 1.0}}])
+    store.add_decisions(run, [decision("r1", "a", {"a": 0.0, "b": 1.0})])
     a = analyze(store, run)
     assert a["replicas"]["b"]["num_requests"] == 0 and a["replicas"]["b"]["ttft"]["p50"] is None
     assert a["imbalance"]["requests"] == pytest.approx(2.0)
@@ -361,6 +360,27 @@ def test_store_actor_writes_for_remote_callers(local_ray, tmp_path):
     )
     ray.get(ray.get_actor(STORE_ACTOR_NAME).end_run.remote(run))
     assert MetricsStore(path).run(run)["complete"]
-    assert [t.num_output_tokens for t in ray.get(actor.traces.remote(run))] == [3]
+    assert [r["output_len"] for r in ray.get(actor.requests.remote(run))] == [3]
     with pytest.raises(UnknownRunError, match="no run 99"):
         ray.get(actor.run.remote(99))
+
+
+def test_report_prints_ttft_p90_between_p50_and_p99(store, capsys):
+    """The report's table has TTFT p90 (the percentile routers are compared on) between p50 and
+    p99, each the percentile of the run's TTFTs."""
+    run = store.begin_run("spread", {"replicas": 1}, "continuous", "least_loaded", 0)
+    ttfts = [0.1 * k for k in range(1, 11)]
+    store.add_requests(run, [request(f"r{k}", "a", float(k), 3, ttft=t) for k, t in enumerate(ttfts)])
+    store.end_run(run)
+    assert _report([str(run), "--store", str(store.path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if "TTFT p50" in line)
+    cluster = next(line for line in lines if line.startswith("cluster"))
+
+    def cell(name: str) -> float:  # columns are right-aligned under their header
+        end = header.index(name) + len(name)
+        return float(cluster[end - len(name) : end])
+
+    assert header.index("TTFT p50") < header.index("TTFT p90") < header.index("TTFT p99")
+    for name, q in (("TTFT p50", 50), ("TTFT p90", 90), ("TTFT p99", 99)):
+        assert cell(name) == pytest.approx(float(np.percentile(ttfts, q)), abs=5e-4)

@@ -19,7 +19,7 @@ from workloads.lengths import FixedLength, LengthDist, LognormalLength, MixtureL
 from workloads.schedule import ArrivalSchedule
 from workloads.spec import TraceSpec, WorkloadSpec, parse_spec
 from workloads.standard import STANDARD_SPECS, at_load, bursty_mix, long_prompts, saturated, sigma_sweep, standard_spec
-from workloads.traces import TraceError, read_azure_csv, read_mooncake_jsonl
+from workloads.traces import TraceError, read_azure_csv, read_mooncake_jsonl, read_trace
 from workloads.workload import ClosedLoop, Workload, WorkloadRequest, prompt_token_ids
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "prompt_token_ids",
     "read_azure_csv",
     "read_mooncake_jsonl",
+    "read_trace",
     "saturated",
     "sigma_sweep",
     "standard_spec",

@@ -12,18 +12,28 @@ The sum is conservative: a step that mixes decodes and prefill chunks shares its
 so mixed traffic is served a little faster than its parts measured apart. Prefix-cache hits
 are not subtracted: the work is the request's own, what a router can save by placing it well
 is the comparison.
+
+`probe_capacity` is the one measurement: the probes as workloads (every request at t=0) and
+the rates from what each request got, whatever runs them: the Ray cluster
+(`experiments.backends`), the simulator (`sim.simulator`) or one in-process engine
+(`sim.batching_comparison`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import statistics
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
+
+from workloads.workload import Workload, WorkloadRequest
 
 PROBE_PROMPT_LEN = 32  # tokens per decode-probe prompt
 PROBE_MAX_TOKENS = 24
 PREFILL_PROBE_LEN = 256  # tokens per prefill-probe prompt (less when the slots are shorter)
 PREFILL_PROBE_ROUNDS = 2  # prefill probes fill every slot this many times
+PROBE_SEED = 1_000_000  # probe k's prompts use seed PROBE_SEED + k: none shares a prefix with a run's
 
 
 @dataclass(frozen=True)
@@ -88,3 +98,51 @@ def prefill_rate(prompt_len: int, first_tokens: Iterable[float], start: float) -
 
 def prefill_probe_len(max_seq_len: int) -> int:
     return min(PREFILL_PROBE_LEN, max_seq_len - 2)
+
+
+class Served(Protocol):
+    """What a probe reads of each request it sent: when it arrived and when each token came
+    (`cluster.client.Result`, `metrics.definitions.RequestTrace`)."""
+
+    arrival: float
+    token_times: list[float]
+
+
+ProbeRunner = Callable[[Workload], Sequence[Served]]
+
+
+def decode_probe(num_slots: int, max_tokens: int = PROBE_MAX_TOKENS, index: int = 0) -> Workload:
+    """Every slot decoding: one short prompt per slot, all sent at once."""
+    request = WorkloadRequest(0.0, PROBE_PROMPT_LEN, max_tokens)
+    return Workload(f"decode-probe-{index}", PROBE_SEED + 2 * index, [request] * num_slots)
+
+
+def prefill_probe(num_slots: int, max_request_tokens: int, index: int = 0) -> Workload:
+    """Every slot prefilling, PREFILL_PROBE_ROUNDS times over: long prompts with one output
+    token each, all sent at once. Its prompts share no prefix with another probe's (whose
+    prompts a prefix cache may still hold), so every prompt token is computed."""
+    request = WorkloadRequest(0.0, prefill_probe_len(max_request_tokens), 1)
+    return Workload(
+        f"prefill-probe-{index}", PROBE_SEED + 2 * index + 1, [request] * (PREFILL_PROBE_ROUNDS * num_slots)
+    )
+
+
+def probe_capacity(
+    run: ProbeRunner, num_slots: int, max_request_tokens: int, probes: int = 1, max_tokens: int = PROBE_MAX_TOKENS
+) -> Capacity:
+    """The capacity of `num_slots` slots (every slot of every replica) with each busy: decoding
+    (output tokens/s) and prefilling (prompt tokens/s), each the median of `probes` saturating
+    probes, so one stall on a busy machine does not set the load of a whole experiment (one is
+    enough on virtual time). `run` sends a probe's requests (prompts as
+    `workloads.workload.request_prompt` makes them with the probe's seed) all at once and
+    returns what each got; `max_request_tokens` is the replicas' context limit."""
+    decode = statistics.median(
+        decode_rate(r.token_times for r in run(decode_probe(num_slots, max_tokens, k))) for k in range(probes)
+    )
+    prefill = []
+    for k in range(probes):
+        probe = prefill_probe(num_slots, max_request_tokens, k)
+        served = run(probe)
+        prompt_len = probe.requests[0].prompt_len
+        prefill.append(prefill_rate(prompt_len, (r.token_times[0] for r in served), min(r.arrival for r in served)))
+    return Capacity(decode, statistics.median(prefill))

@@ -39,6 +39,7 @@ from pydantic import (
     model_validator,
 )
 
+from protocol import defaults
 from workloads.spec import TraceSpec, WorkloadSpec, parse_spec
 from workloads.standard import STANDARD_SPECS, standard_spec
 from workloads.traces import TraceError
@@ -88,16 +89,18 @@ class ClusterSection(_Section):
     EngineConfig field (max_wait, kv_budget_tokens, kv_cache, block_size, prefix_caching)."""
 
     replicas: PositiveInt = 2
-    slots: PositiveInt = Field(8, description="slots per replica, unless sweep.slots is given")
-    max_seq_len: int = Field(512, gt=1, description="K/V tokens one slot holds")
-    token_budget: PositiveInt = Field(256, description="`chunked` tokens per step, unless sweep.token_budget is given")
+    slots: PositiveInt = Field(defaults.NUM_SLOTS, description="slots per replica, unless sweep.slots is given")
+    max_seq_len: int = Field(defaults.MAX_SEQ_LEN, gt=1, description="K/V tokens one slot holds")
+    token_budget: PositiveInt = Field(
+        defaults.TOKEN_BUDGET, description="`chunked` tokens per step, unless sweep.token_budget is given"
+    )
     model: str = Field(min_length=1, description='"fake", a built-in model name or a local Hugging Face directory')
     fake_step_seconds: PositiveFloat | None = None
     cost_model: str | None = Field(
         None, min_length=1, description="cost model JSON: what --simulate and the fake model pay per step"
     )
     cost_scale: PositiveFloat = Field(1.0, description="the cost model's step times x this")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: defaults.Dtype = defaults.DTYPE
     device: str = "auto"
     num_cpus: PositiveFloat = Field(1.0, description="Ray CPUs per replica (= its torch threads)")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per replica (1 puts the model on cuda)")

@@ -17,7 +17,7 @@ from workloads.arrivals import AllAtOnce, ArrivalProcess, ClosedLoopArrivals
 from workloads.capacity import Capacity
 from workloads.lengths import LengthDist
 from workloads.prefixes import SharedPrefix
-from workloads.traces import AZURE_CONV, read_azure_csv, read_mooncake_jsonl
+from workloads.traces import AZURE_CONV, read_trace
 from workloads.workload import ClosedLoop, SpecModel, Workload, WorkloadRequest
 
 
@@ -146,9 +146,9 @@ class TraceSpec(_Spec):
         return self
 
     def build(self) -> Workload:
-        reader = read_azure_csv if self.format == "azure" else read_mooncake_jsonl
-        workload = reader(
+        workload = read_trace(
             self.path or AZURE_CONV,
+            self.format,
             time_scale=self.time_scale,
             length_scale=self.length_scale,
             every=self.every,

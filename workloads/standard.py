@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from protocol.registry import Registry
-from workloads.arrivals import AllAtOnce, BurstyArrivals
+from workloads.arrivals import AllAtOnce, BurstyArrivals, PoissonArrivals
 from workloads.capacity import Capacity
 from workloads.lengths import LognormalLength, MixtureLength, UniformLength
 from workloads.prefixes import SharedPrefix
@@ -120,6 +120,54 @@ def shared_prefix_spec(
     )
 
 
+def kv_pressure_spec(
+    num_requests: int = 300,
+    rate: float = 4.0,
+    groups: int = 16,
+    prefix_len: int = 1024,
+    zipf_s: float = 0.2,
+    active_sessions: int = 32,
+    turns: int = 2,
+    seed: int = 0,
+) -> WorkloadSpec:
+    """Where the choice of replica decides whether a prefix is recomputed: `groups` shared
+    prefixes of `prefix_len` tokens each (documents, long system prompts), near-uniform
+    popularity (Zipf `zipf_s`), short sessions of up to `turns` turns; each turn's message
+    16-48 tokens, its answer lognormal (median 24, sigma 1.0, 4-128); Poisson arrivals. Run it on
+    replicas whose K/V budget holds a third or less of the prefixes while the cluster's total
+    holds them all (16 x 1,024 tokens: about 5,600 K/V tokens per replica at 4 replicas), so a
+    router that spreads each prefix over every replica keeps evicting and recomputing it."""
+    return WorkloadSpec(
+        name="kv-pressure",
+        seed=seed,
+        num_requests=num_requests,
+        arrivals=PoissonArrivals(rate=rate),
+        prompt_len=UniformLength(low=16, high=48),
+        output_len=LognormalLength(median=24, sigma=1.0, low=4, high=128),
+        shared_prefix=SharedPrefix(
+            system_prompt_lens=(prefix_len,) * groups,
+            zipf_s=zipf_s,
+            active_sessions=active_sessions,
+            turns=turns,
+            max_prompt_len=prefix_len + 384,
+        ),
+    )
+
+
+def zero_reuse_spec(num_requests: int = 300, rate: float = 4.0, seed: int = 0) -> WorkloadSpec:
+    """kv-pressure's control: prompts of about its length (uniform 768-1,152 tokens) and its
+    outputs, Poisson arrivals, and no shared prefix at all (every prompt is fresh tokens), so
+    a prefix-aware policy has nothing to find and should route as well as a load-only one."""
+    return WorkloadSpec(
+        name="zero-reuse",
+        seed=seed,
+        num_requests=num_requests,
+        arrivals=PoissonArrivals(rate=rate),
+        prompt_len=UniformLength(low=768, high=1152),
+        output_len=LognormalLength(median=24, sigma=1.0, low=4, high=128),
+    )
+
+
 def azure_conv_spec(
     num_requests: int = 200,
     seed: int = 0,
@@ -154,6 +202,8 @@ STANDARD_SPECS: Registry[Callable[..., WorkloadSpec | TraceSpec]] = Registry(
         "azure-conv": azure_conv_spec,
         "heavy-tail": heavy_tail_spec,
         "shared-prefix": shared_prefix_spec,
+        "kv-pressure": kv_pressure_spec,
+        "zero-reuse": zero_reuse_spec,
     },
 )
 

@@ -4,11 +4,11 @@ JSONL format. Timing and lengths are read, and Mooncake's `hash_ids` (the prompt
 (`workload.request_prompt`; with hash_ids, from those blocks, so requests that share ids share
 that prefix) and outputs forced to the given length. A trace workload is named after its file.
 
-A trace is far beyond a small machine's capacity, so every reader takes a time scale
-(multiply inter-arrival gaps), a length scale (multiply prompt and output lengths), a sample
-(every k-th request, or the first n) and a start offset (seconds into the trace), all kept in
-the workload's params so a run says how it was replayed. Bad files get a TraceError naming
-the file and line.
+A trace is far beyond a small machine's capacity, so `read_trace` (either format) takes a time
+scale (multiply inter-arrival gaps), a length scale (multiply prompt and output lengths), a
+sample (every k-th request, or the first n) and a start offset (seconds into the trace), all
+kept in the workload's params so a run says how it was replayed. Bad files get a TraceError
+naming the file and line.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import csv
 import json
 from datetime import datetime
 from pathlib import Path
+from typing import Literal
 
 from workloads.workload import Workload, WorkloadRequest
 
@@ -30,23 +31,26 @@ class TraceError(ValueError):
 
 
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in the published Mooncake traces
+# One request of a trace: (seconds since the trace's first request, prompt, output, line, block ids).
+Row = tuple[float, int, int, int, tuple[int, ...]]
 
 
-def _scaled(
-    raw: list[tuple[float, int, int, int, tuple[int, ...]]],
-    path: Path,
-    time_scale: float,
-    length_scale: float,
-    every: int,
-    limit: int | None,
-    start_offset: float,
-    block_tokens: int = 0,
+def read_trace(
+    path: str | Path,
+    format: Literal["azure", "mooncake"],
+    time_scale: float = 1.0,
+    length_scale: float = 1.0,
+    every: int = 1,
+    limit: int | None = None,
+    start_offset: float = 0.0,
 ) -> Workload:
-    """raw: (seconds since the trace's first request, prompt, output, line, block ids). Checks,
-    samples, scales (a block of `block_tokens` tokens too, so a scaled prompt still spans its
-    blocks), and rebases arrivals to 0 at the first request kept. Named after the file."""
+    """A trace file in either format: its rows checked, sampled, scaled (a Mooncake block of 512
+    tokens too, so a scaled prompt still spans its blocks), and arrivals rebased to 0 at the
+    first request kept. Named after the file."""
+    path = Path(path)
     if time_scale <= 0 or length_scale <= 0 or every < 1:
         raise TraceError(f"{path}: time_scale and length_scale must be > 0 and every >= 1")
+    raw = _azure_rows(path) if format == "azure" else _mooncake_rows(path)
     previous = None
     for t, prompt, output, line, _ in raw:
         if prompt < 0 or output < 0:
@@ -58,7 +62,7 @@ def _scaled(
     if not kept:
         raise TraceError(f"{path}: no requests after start offset {start_offset} s")
     t0 = kept[0][0]
-    block_len = max(1, round(block_tokens * length_scale)) if block_tokens else 0
+    block_len = max(1, round(MOONCAKE_BLOCK_TOKENS * length_scale)) if format == "mooncake" else 0
     requests = [
         WorkloadRequest(
             (t - t0) * time_scale,
@@ -82,16 +86,20 @@ def _scaled(
     return Workload(path.stem, 0, requests, params)
 
 
-def read_azure_csv(
-    path: str | Path = AZURE_CONV,
-    time_scale: float = 1.0,
-    length_scale: float = 1.0,
-    every: int = 1,
-    limit: int | None = None,
-    start_offset: float = 0.0,
-) -> Workload:
-    """The Azure LLM inference trace format: TIMESTAMP, ContextTokens, GeneratedTokens."""
-    path = Path(path)
+def read_azure_csv(path: str | Path = AZURE_CONV, **sampling: float | int | None) -> Workload:
+    """The Azure LLM inference trace format: TIMESTAMP, ContextTokens, GeneratedTokens
+    (`sampling`: read_trace's keywords)."""
+    return read_trace(path, "azure", **sampling)
+
+
+def read_mooncake_jsonl(path: str | Path, **sampling: float | int | None) -> Workload:
+    """The Mooncake format: one JSON object a line with `timestamp` (ms), `input_length`,
+    `output_length` and, optionally, `hash_ids` (a list of ints: the prompt's blocks of 512
+    tokens, scaled with `length_scale`) (`sampling`: read_trace's keywords)."""
+    return read_trace(path, "mooncake", **sampling)
+
+
+def _azure_rows(path: Path) -> list[Row]:
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         missing = [c for c in _AZURE_COLUMNS if c not in (reader.fieldnames or [])]
@@ -106,21 +114,10 @@ def read_azure_csv(
                 raise TraceError(f"{path}:{line}: {err}") from None
             start = start or when
             raw.append(((when - start).total_seconds(), prompt, output, line, ()))
-    return _scaled(raw, path, time_scale, length_scale, every, limit, start_offset)
+    return raw
 
 
-def read_mooncake_jsonl(
-    path: str | Path,
-    time_scale: float = 1.0,
-    length_scale: float = 1.0,
-    every: int = 1,
-    limit: int | None = None,
-    start_offset: float = 0.0,
-) -> Workload:
-    """The Mooncake format: one JSON object a line with `timestamp` (ms), `input_length`,
-    `output_length` and, optionally, `hash_ids` (a list of ints: the prompt's blocks of 512
-    tokens, scaled with `length_scale`)."""
-    path = Path(path)
+def _mooncake_rows(path: Path) -> list[Row]:
     raw = []
     with open(path) as f:
         for line, text in enumerate(f, start=1):
@@ -147,4 +144,4 @@ def read_mooncake_jsonl(
     if raw:
         first = raw[0][0]
         raw = [(t - first, *rest) for t, *rest in raw]
-    return _scaled(raw, path, time_scale, length_scale, every, limit, start_offset, MOONCAKE_BLOCK_TOKENS)
+    return raw

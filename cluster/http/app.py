@@ -9,8 +9,13 @@ proper HTTP error; after that each engine step's tokens go out as one chunk, one
 client that disconnects, streaming or not, has its request aborted on the replica at once:
 the response listens for the disconnect instead of waiting to fail on the next write.
 
+A refused bad request (400, 404 for another model) is recorded in the serve run as `invalid`,
+with its status, apart from `rejected` (429: overload) and `error` (the cluster failed).
+
 `/metrics` serves this ingress's own Prometheus metrics (requests by route and status, in
-flight, tokens); the replicas' and router's metrics are Ray's, on each node's metrics port."""
+flight, tokens, and latency histograms as the client sees them: time to first token and
+end-to-end, in the replicas' buckets); the replicas' and router's metrics are Ray's, on each
+node's metrics port."""
 
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from typing import TypeVar
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from cluster.http.ingress import Ingress, Prepared
 from cluster.http.openai_protocol import (
@@ -37,9 +42,16 @@ from cluster.http.openai_protocol import (
     sse,
     usage,
 )
+from metrics.live import LATENCY_BUCKETS
 from protocol.messages import StreamEvent
 
 SESSION_HEADER = "x-session-id"  # the session id when the body gives no `user`
+GENERATION_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+DESCRIPTION = (
+    "OpenAI-compatible API of a slotserve cluster. Sampling defaults are OpenAI's: `temperature` 1.0 "
+    "and `top_p` 1.0 when a request leaves them out (the `slotserve` CLI and the Python client default "
+    "to temperature 0, greedy). A refused bad request is recorded in the serve run as `invalid`."
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -104,10 +116,24 @@ class IngressMetrics:
         self.in_flight = Gauge("slotserve_http_requests_in_flight", "requests being answered", registry=self.registry)
         self.prompt_tokens = Counter("slotserve_http_prompt_tokens", "prompt tokens", registry=self.registry)
         self.generation_tokens = Counter("slotserve_http_generation_tokens", "tokens made", registry=self.registry)
+        self.ttft = Histogram(
+            "slotserve_http_time_to_first_token_seconds",
+            "arrival at the ingress to the first token's event, of requests answered",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "slotserve_http_e2e_request_latency_seconds",
+            "arrival at the ingress to the last token's event, of requests answered",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
 
 
 def create_app(ingress: Ingress, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="slotserve", description="OpenAI-compatible API of a slotserve cluster")
+    app = FastAPI(title="slotserve", description=DESCRIPTION)
     metrics = IngressMetrics()
 
     def check_key(request: Request) -> None:
@@ -133,7 +159,10 @@ def create_app(ingress: Ingress, api_key: str | None = None) -> FastAPI:
             message = f"Unrecognized request argument supplied: {param}"
         else:
             message = f"{param or 'body'}: {first['msg']} (given {first.get('input')!r:.200})"
-        return await _openai_error(request, OpenAIError(400, message, param=param))
+        error = OpenAIError(400, message, param=param)
+        if request.url.path in GENERATION_ROUTES:
+            ingress.record_invalid(error, GENERATION_ROUTES[request.url.path], time.time())
+        return await _openai_error(request, error)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, err: Exception) -> JSONResponse:
@@ -166,7 +195,11 @@ def create_app(ingress: Ingress, api_key: str | None = None) -> FastAPI:
 
     async def _generate(body: CompletionRequest | ChatCompletionRequest, request: Request, chat: bool) -> Response:
         arrival = time.time()
-        prepared = ingress.prepare(body, request.headers.get(SESSION_HEADER), arrival)
+        try:
+            prepared = ingress.prepare(body, request.headers.get(SESSION_HEADER), arrival)
+        except OpenAIError as err:
+            ingress.record_invalid(err, chat, arrival)
+            raise
         shape = ResponseShape(chat, prepared.request_id, body.model, body.return_token_ids)
         metrics.in_flight.inc()
         events = ingress.events(prepared)
@@ -183,6 +216,7 @@ def create_app(ingress: Ingress, api_key: str | None = None) -> FastAPI:
             if isinstance(err, ClientGone):
                 return Response(status_code=499)  # nobody reads it; the request was aborted
             raise
+        metrics.ttft.labels(request.url.path).observe(time.time() - arrival)
         if body.stream:
             return EventStream(_stream(first, events, prepared, shape, body.include_usage), close)
         try:
@@ -236,6 +270,7 @@ def create_app(ingress: Ingress, api_key: str | None = None) -> FastAPI:
     def _count(shape: ResponseShape, prepared: Prepared, made: int) -> None:
         route = "/v1/chat/completions" if shape.chat else "/v1/completions"
         metrics.requests.labels(route, 200).inc()
+        metrics.e2e.labels(route).observe(time.time() - prepared.arrival)
         metrics.prompt_tokens.inc(len(prepared.prompt_ids))
         metrics.generation_tokens.inc(made)
 

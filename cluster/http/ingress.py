@@ -22,10 +22,12 @@ import ray
 from cluster.client import Client, ClusterError, Result
 from cluster.http.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from cluster.http.recorder import RunRecorder
+from metrics.definitions import RequestTrace
 from protocol.errors import DrainingError, OverloadedError, SlotServeError
+from protocol.finish import FinishReason
 from protocol.messages import StreamEvent
 from replica.errors import InvalidRequestError, RequestTooLongError
-from replica.scheduling.request import validate_prompt
+from replica.scheduling.request import SamplingParams, validate_prompt
 
 HEALTH_TIMEOUT = 2.0  # seconds the router and each replica get to answer a health check
 
@@ -74,6 +76,19 @@ def http_error(err: SlotServeError) -> OpenAIError:
     return OpenAIError(503, str(err), "service_unavailable", code="cluster_unavailable", retry_after=1)
 
 
+def ending(err: OpenAIError) -> FinishReason:
+    """How a refused request is recorded: `invalid` when the request was at fault (4xx),
+    `rejected` when the cluster was overloaded (429), `error` when it could not serve (5xx)."""
+    if err.status == 429:
+        return FinishReason.REJECTED
+    return FinishReason.INVALID if err.status < 500 else FinishReason.ERROR
+
+
+def request_id(chat: bool) -> str:
+    """A new request id in OpenAI's style (`chatcmpl-...`, `cmpl-...`)."""
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
 class Ingress:
     def __init__(self, client: Client, model: ServedModel, recorder: RunRecorder | None = None):
         self.client, self.model, self.recorder = client, model, recorder
@@ -106,10 +121,21 @@ class Ingress:
                 param=where if len(prompt_ids) >= limit else "max_tokens",
                 code="context_length_exceeded",
             )
-        prefix = "chatcmpl" if chat else "cmpl"
-        return Prepared(
-            f"{prefix}-{uuid.uuid4().hex}", prompt_ids, body.sampling(max_tokens), body.user or session_header, arrival
-        )
+        params = body.sampling(max_tokens)
+        try:
+            SamplingParams.parse(params)
+        except InvalidRequestError as err:
+            raise http_error(err) from None
+        return Prepared(request_id(chat), prompt_ids, params, body.user or session_header, arrival)
+
+    def record_invalid(self, err: OpenAIError, chat: bool, arrival: float) -> None:
+        """Record a request refused before it reached the cluster (a 400 or 404) in the run,
+        with its status, so bad input shows in `slotserve report` apart from overload."""
+        if self.recorder is not None:
+            trace = RequestTrace(
+                request_id(chat), arrival, [], time.time(), FinishReason.INVALID, 0, error=f"HTTP {err.status}: {err}"
+            )
+            self.recorder.record(trace)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         try:
@@ -151,9 +177,9 @@ class Ingress:
                 result.add(event)
                 yield event
         except SlotServeError as err:
-            rejected = isinstance(err, (ValueError, OverloadedError))
-            result.finish_reason, result.error = ("rejected" if rejected else "error"), str(err)
-            raise http_error(err) from None
+            answer = http_error(err)
+            result.finish_reason, result.error = ending(answer), f"HTTP {answer.status}: {answer}"
+            raise answer from None
         finally:
             await stream.aclose()  # a stream left early is aborted on its replica now, not when collected
             if result.finish_reason is None:  # the HTTP client went away: the client aborted it

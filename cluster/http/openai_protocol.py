@@ -61,7 +61,11 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    temperature: float | None = Field(None, description="OpenAI's default is 1.0")
+    temperature: float | None = Field(
+        None,
+        description="sampling temperature; left out: 1.0, OpenAI's default (the slotserve CLI and Python "
+        "client default to 0, greedy); 0 is greedy",
+    )
     top_p: float | None = None
     top_k: int | None = Field(None, description="vLLM extension; 0 or -1 disables")
     seed: int | None = None

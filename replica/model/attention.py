@@ -10,7 +10,8 @@ them. Grouped-query heads are folded into the query length, so K/V are never rep
 head. A boolean mask lets query (seq, i) see keys 0..position(seq, i); padding rows see key 0
 and are discarded.
 
-Decode rows (one query row per sequence) on the CPU skip all of that: `decode_attention`'s
+Decode rows (one query row per sequence) on the CPU skip all of that where the caller asks
+for it (`slot_attention(decode_kernel=True)`, decided once by the `Decoder`): `decode_attention`'s
 kernel reads each row's own slot up to its own position, so no padding, mask or gathered copy.
 """
 
@@ -23,10 +24,8 @@ import torch.nn.functional as F
 
 from replica.kernels import decode_attention as kernel
 
-# Decode rows through the C++ kernel where it is built (a switch so benchmarks can measure without it).
-USE_DECODE_KERNEL = True
-
-# Gather a group's slots when the slot range it spans is more than this many times its slot count.
+# Gather a group's slots when the slot range it spans is more than this many times its slot count
+# (`build_group`'s default; a benchmark passes a huge spread to measure the range view alone).
 GATHER_SPREAD = 2
 
 
@@ -60,12 +59,19 @@ class AttentionMetadata:
 
 
 def build_group(
-    token_idx: list[int], slots: list[int], offsets: list[int], positions: list[int], q_per_kv: int, device: str
+    token_idx: list[int],
+    slots: list[int],
+    offsets: list[int],
+    positions: list[int],
+    q_per_kv: int,
+    device: str,
+    gather_spread: int = GATHER_SPREAD,
 ) -> AttentionGroup:
-    """One group from per-row slot, offset within the chunk, and absolute position."""
+    """One group from per-row slot, offset within the chunk, and absolute position; its slots
+    are gathered when their range spans more than `gather_spread` times their count."""
     lo, hi = min(slots), max(slots) + 1
     distinct = sorted(set(slots))
-    gather = hi - lo > GATHER_SPREAD * len(distinct)
+    gather = hi - lo > gather_spread * len(distinct)
     seq_of = {s: n for n, s in enumerate(distinct)} if gather else {s: s - lo for s in distinct}
     num_seqs = len(distinct) if gather else hi - lo
     q_max, kv_len = max(offsets) + 1, max(positions) + 1
@@ -103,15 +109,16 @@ def build_group(
 
 
 def slot_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, decode_kernel: bool
 ) -> torch.Tensor:
-    """q: [T, heads, head_dim] -> [T, heads * head_dim]."""
+    """q: [T, heads, head_dim] -> [T, heads * head_dim]. decode_kernel: decode groups go through
+    `decode_attention`'s kernel (the caller has checked it is available on q's device), the
+    rest through SDPA."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv = num_heads // meta.q_per_kv
     out = q.new_empty(num_tokens, num_heads * head_dim)
-    use_kernel = USE_DECODE_KERNEL and kernel.available(q.device)
     for g in meta.groups:
-        if use_kernel and g.row_slots is not None:
+        if decode_kernel and g.row_slots is not None:
             kernel.decode_attention(q, k_cache, v_cache, g.token_idx, g.row_slots, g.row_lengths, out)
             continue
         seqs = g.num_seqs
@@ -153,13 +160,12 @@ class PagedAttentionMetadata:
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata, decode_kernel: bool
 ) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads * head_dim]. The blocks are copied, not viewed (a
     paged-attention kernel would read them in place); the attention itself is the slot path's."""
-    return slot_attention(
-        q, gather_blocks(k_cache, meta.block_tables), gather_blocks(v_cache, meta.block_tables), meta.dense
-    )
+    k, v = gather_blocks(k_cache, meta.block_tables), gather_blocks(v_cache, meta.block_tables)
+    return slot_attention(q, k, v, meta.dense, decode_kernel)
 
 
 def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

@@ -13,16 +13,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from replica.kernels import fused_ops
+from replica.kernels import decode_attention
+from replica.kernels import fused_ops as fused_kernels
 from replica.model.attention import AttentionMetadata, PagedAttentionMetadata, paged_attention, slot_attention
 from replica.model.kv_cache import PagedKVCache, SlotKVCache
 from replica.model.linear import Linear
 
 # The weight matrices of a layer (and the LM head) that go through Linear.
 _MATRICES = ("qkv", "o", "gate_up", "up", "down", "lm_head")
-
-# The per-layer C++ kernels where they are built (a switch so benchmarks can measure without them).
-USE_FUSED_OPS = True
 
 
 @dataclass(frozen=True)
@@ -81,10 +79,18 @@ class ModelShape:
 
 
 class Decoder:
-    """Weights as a flat dict of tensors (no nn.Module: nothing here trains)."""
+    """Weights as a flat dict of tensors (no nn.Module: nothing here trains). `fused_ops` and
+    `decode_kernel` ask for the C++ kernels (per-layer steps; decode attention), used where they
+    are built for the weights' device; off, torch's operators serve (what benchmarks compare)."""
 
     def __init__(
-        self, shape: ModelShape, state: dict[str, torch.Tensor], pack_weights: bool = True, int8_rows: int = 0
+        self,
+        shape: ModelShape,
+        state: dict[str, torch.Tensor],
+        pack_weights: bool = True,
+        int8_rows: int = 0,
+        fused_ops: bool = True,
+        decode_kernel: bool = True,
     ):
         self.shape = shape
         self.dtype = state["embed"].dtype
@@ -93,10 +99,11 @@ class Decoder:
         matrices = [k for k in state if k.rsplit(".", 1)[-1] in _MATRICES]
         self.linear = {k: Linear(state[k], state.get(k + "_bias"), pack_weights, int8_rows) for k in matrices}
         self.w = {k: v for k, v in state.items() if k not in matrices}
+        device = state["embed"].device
         # RMSNorm, RoPE with the cache write, and SiLU-times-up as C++ kernels where they are built (CPU)
-        self.fused = USE_FUSED_OPS and fused_ops.available(state["embed"].device)
+        self.fused_ops = fused_ops and fused_kernels.available(device)
+        self.decode_kernel = decode_kernel and decode_attention.available(device)
         if shape.family == "llama":
-            device = state["embed"].device
             inv_freq = 1.0 / shape.rope_theta ** (
                 torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim
             )
@@ -116,11 +123,14 @@ class Decoder:
         device: str = "cpu",
         pack_weights: bool = True,
         int8_rows: int = 0,
+        fused_ops: bool = True,
+        decode_kernel: bool = True,
     ) -> Decoder:
         shape = ModelShape.from_hf_config(hf_model.config)
         sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
         state = _gpt2_state(sd, shape) if shape.family == "gpt2" else _llama_state(sd, shape)
-        return cls(shape, {k: v.to(device, dtype).contiguous() for k, v in state.items()}, pack_weights, int8_rows)
+        state = {k: v.to(device, dtype).contiguous() for k, v in state.items()}
+        return cls(shape, state, pack_weights, int8_rows, fused_ops, decode_kernel)
 
     # ---- the forward pass ---------------------------------------------------------------
     def _norm(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
@@ -128,8 +138,8 @@ class Decoder:
             return F.layer_norm(
                 x, (x.shape[-1],), self.w[prefix + ".weight"], self.w[prefix + ".bias"], self.shape.norm_eps
             )
-        if self.fused:
-            return fused_ops.rms_norm(x, self.w[prefix + ".weight"], self.shape.norm_eps)
+        if self.fused_ops:
+            return fused_kernels.rms_norm(x, self.w[prefix + ".weight"], self.shape.norm_eps)
         return F.rms_norm(x, (x.shape[-1],), self.w[prefix + ".weight"], self.shape.norm_eps)
 
     @staticmethod
@@ -152,9 +162,9 @@ class Decoder:
         torch path's rows gathered at `positions` ([T, 1, head_dim]); None for GPT-2."""
         s = self.shape
         num_q, num_kv, d = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.head_dim
-        if self.fused:
+        if self.fused_ops:
             tables = rope or (None, None)
-            fused_ops.rope_write(qkv, positions, *tables, cache.k[layer], cache.v[layer], rows, cols, s.num_heads)
+            fused_kernels.rope_write(qkv, positions, *tables, cache.k[layer], cache.v[layer], rows, cols, s.num_heads)
             return qkv[:, :num_q].view(-1, s.num_heads, d)
         v = qkv[:, num_q + num_kv :].view(-1, s.num_kv_heads, d)
         if rope is not None:  # Q and K rotated together: one pass over both
@@ -181,7 +191,7 @@ class Decoder:
             x = x + w["pos_embed"][positions]
         # RoPE's cos/sin, once per step: the kernel reads the whole tables at each row's position
         rope = None
-        if s.family == "llama" and self.fused:
+        if s.family == "llama" and self.fused_ops:
             rope = (self.rope_cos, self.rope_sin)
         elif s.family == "llama":
             rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
@@ -193,15 +203,15 @@ class Decoder:
             h = linear[p + ".qkv"](self._norm(x, p + ".attn_norm"))
             q = self._rope_and_write(i, h, positions, rope, cache, rows, cols)
             if paged:  # read via block tables
-                attn = paged_attention(q, cache.k[i], cache.v[i], meta)
+                attn = paged_attention(q, cache.k[i], cache.v[i], meta, self.decode_kernel)
             else:
-                attn = slot_attention(q, cache.k[i], cache.v[i], meta)
+                attn = slot_attention(q, cache.k[i], cache.v[i], meta, self.decode_kernel)
             x = linear[p + ".o"](attn, residual=x)
             h = self._norm(x, p + ".mlp_norm")
             if s.family == "gpt2":
                 h = F.gelu(linear[p + ".up"](h), approximate="tanh")
-            elif self.fused:
-                h = fused_ops.silu_mul(linear[p + ".gate_up"](h))
+            elif self.fused_ops:
+                h = fused_kernels.silu_mul(linear[p + ".gate_up"](h))
             else:
                 gate, up = linear[p + ".gate_up"](h).chunk(2, dim=-1)
                 h = F.silu(gate) * up

@@ -63,8 +63,8 @@ class StepFeatures:
         """The features of a recorded step (a `steps` row of the metrics store): how a cost
         model is fitted to real runs."""
         return cls(
-            row["decode_tokens"],
-            row["prefill_tokens"],
+            row["num_decode_tokens"],
+            row["num_prefill_tokens"],
             row["context_tokens"],
             row["computed_rows"] - row["useful_rows"],
         )

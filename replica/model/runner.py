@@ -7,7 +7,13 @@ from __future__ import annotations
 import torch
 
 from replica.config import EngineConfig, resolve_dtype
-from replica.model.attention import AttentionGroup, AttentionMetadata, PagedAttentionMetadata, build_group
+from replica.model.attention import (
+    GATHER_SPREAD,
+    AttentionGroup,
+    AttentionMetadata,
+    PagedAttentionMetadata,
+    build_group,
+)
 from replica.model.decoder import Decoder
 from replica.model.kv_cache import PagedKVCache, SlotKVCache
 from replica.model.loader import load_hf_model
@@ -26,14 +32,23 @@ def pick_device(device: str) -> str:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
-        """The model of `config` on its device and dtype, and a K/V cache for its slots (kv_cache
-        "slot": num_slots rows of max_seq_len tokens; "paged": num_blocks blocks of block_size
-        tokens, by default the same memory)."""
+    def __init__(self, config: EngineConfig, gather_spread: int = GATHER_SPREAD):
+        """The model of `config` on its device and dtype (with the C++ kernels it asks for), and a
+        K/V cache for its slots (kv_cache "slot": num_slots rows of max_seq_len tokens; "paged":
+        num_blocks blocks of block_size tokens, by default the same memory). gather_spread: see
+        `attention.build_group` (a benchmark turns gathering off with a huge one)."""
         self.device = pick_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.gather_spread = gather_spread
         hf, self.tokenizer = load_hf_model(config.model, seed=config.seed)
-        self.model = Decoder.from_hf(hf, DTYPES[self.dtype], self.device, int8_rows=config.int8_rows)
+        self.model = Decoder.from_hf(
+            hf,
+            DTYPES[self.dtype],
+            self.device,
+            int8_rows=config.int8_rows,
+            fused_ops=config.fused_ops,
+            decode_kernel=config.decode_kernel,
+        )
         shape = self.model.shape
         self.vocab_size, self.max_model_len = shape.vocab_size, shape.max_positions
         eos = hf.generation_config.eos_token_id if hf.generation_config is not None else None
@@ -109,6 +124,7 @@ class ModelRunner:
                 [positions[i] for i in rows],
                 q_per_kv,
                 self.device,
+                self.gather_spread,
             )
             for flag in (True, False)
             if (rows := [i for i, s in enumerate(single) if s is flag])

@@ -5,11 +5,12 @@ cache. Pure Python (no torch): the tensors live in `kv_cache.PagedKVCache`.
 A request takes blocks as it grows instead of a whole max_seq_len row up front, so at the same
 K/V budget many more requests fit, and at most one partly filled block per request is wasted.
 With prefix caching, a full block whose K/V are computed is filed under a hash chained over
-all blocks before it (so equal hashes mean equal whole prefixes, not just equal blocks); a later
-request whose leading blocks hash the same takes those blocks by reference (ref_count += 1)
-and skips computing them. Shared blocks are full and never written again: a request only
-writes at positions past the tokens it has computed. A cached block whose last user ends
-stays in the cache, free but reusable, until its memory is needed (least recently freed first).
+all blocks before it (`protocol.blocks`, so equal hashes mean equal whole prefixes, not just
+equal blocks, and a router's index names them the same way); a later request whose leading
+blocks hash the same takes those blocks by reference (ref_count += 1) and skips computing them.
+Shared blocks are full and never written again: a request only writes at positions past the
+tokens it has computed. A cached block whose last user ends stays in the cache, free but
+reusable, until its memory is needed (least recently freed first).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from protocol.blocks import NO_PARENT, chain
+from protocol.messages import KvEvents
 from replica.errors import InvariantViolation
+from replica.scheduling.kv_events import KvEventBuffer
 from replica.scheduling.request import Request
 from replica.scheduling.slot_table import SlotTable
-
-NO_PARENT = -1  # the chain's seed for a request's first block (an int: hash(None) varies between runs)
 
 
 @dataclass
@@ -44,6 +46,8 @@ class BlockManager:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._free_cached: dict[int, None] = {}  # an ordered set: insertion order is eviction order
         self._cached: dict[int, int] = {}  # chained hash -> id of the block holding that prefix's last block
+        # what entered and left the prefix cache since the last load report (a router indexes it)
+        self.kv_events = KvEventBuffer(self.cached_hashes) if prefix_caching else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -82,6 +86,7 @@ class BlockManager:
             if block.hash is None and h not in self._cached:  # a duplicate of a cached block stays private
                 block.hash, block.token_ids = h, self._block_tokens(request, i)
                 self._cached[h] = block_id
+                self.kv_events.stored(h)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds (they become plain free blocks), so what
@@ -94,13 +99,19 @@ class BlockManager:
         self._free.extend(reversed(forgotten))
         return len(forgotten)
 
+    def cached_hashes(self) -> list[int]:
+        """Every hash in the prefix cache, the next to be evicted first and blocks in use last
+        (the order a snapshot of it is sent in)."""
+        free = [self.blocks[b].hash for b in self._free_cached]
+        return free + [h for h, b in self._cached.items() if self.blocks[b].ref_count > 0]
+
     def _hashes(self, request: Request, num_blocks: int) -> list[int]:
-        """The chained hashes of the request's first `num_blocks` full blocks, memoised on the
-        request (its tokens are append-only, so they never go stale, even across preemption)."""
+        """The chained hashes (`protocol.blocks`: what a client sends and a router indexes) of
+        the request's first `num_blocks` full blocks, memoised on the request (its tokens are
+        append-only, so they never go stale, even across preemption)."""
         hashes = request.block_hashes
         while len(hashes) < num_blocks:
-            parent = hashes[-1] if hashes else NO_PARENT
-            hashes.append(hash((parent, *self._block_tokens(request, len(hashes)))))
+            hashes.append(chain(hashes[-1] if hashes else NO_PARENT, self._block_tokens(request, len(hashes))))
         return hashes[:num_blocks]
 
     def _block_tokens(self, request: Request, index: int) -> tuple[int, ...]:
@@ -151,6 +162,7 @@ class BlockManager:
     def _uncache(self, block: Block) -> None:
         """Take a free block out of the prefix cache (its caller drops it from `_free_cached`)."""
         del self._cached[block.hash]
+        self.kv_events.removed(block.hash)
         block.hash, block.token_ids = None, ()
 
     def free(self, request: Request) -> None:
@@ -210,6 +222,15 @@ class PagedSlotTable(SlotTable):
 
     def reset_prefix_cache(self) -> int:
         return self.blocks.reset_prefix_cache()
+
+    def take_kv_events(self) -> KvEvents | None:
+        return None if self.blocks.kv_events is None else self.blocks.kv_events.take()
+
+    def request_kv_snapshot(self) -> bool:
+        if self.blocks.kv_events is None:
+            return False
+        self.blocks.kv_events.request_snapshot()
+        return True
 
     def can_admit(self, request: Request, num_tokens: int) -> bool:
         return bool(self._free) and self.blocks.can_allocate(request, num_tokens)

@@ -80,19 +80,9 @@ class BucketedScheduler(StaticScheduler):
         return sorted(self.waiting, key=lambda r: r.oracle_output_len or r.params.max_tokens)
 
 
-POLICIES: Registry[type[Scheduler]] = Registry(
+POLICIES: Registry[type[Scheduler]] = Registry.of_named(
     "batching policy",
-    {
-        cls.name: cls
-        for cls in (
-            StaticScheduler,
-            DynamicScheduler,
-            ContinuousScheduler,
-            MixedScheduler,
-            ChunkedScheduler,
-            BucketedScheduler,
-        )
-    },
+    (StaticScheduler, DynamicScheduler, ContinuousScheduler, MixedScheduler, ChunkedScheduler, BucketedScheduler),
 )
 
 

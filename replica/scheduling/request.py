@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from protocol.finish import FinishReason
 from replica.errors import InvalidRequestError
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed; past it a whole step fails
@@ -125,20 +126,6 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(enum.StrEnum):
-    """Why a request ended; every request ends with exactly one."""
-
-    EOS = "eos"  # the model's end-of-sequence token
-    STOP = "stop"  # a stop token id or stop string
-    LENGTH = "length"  # max_tokens reached
-    ABORT = "abort"  # cancelled by the caller
-    ERROR = "error"  # the step that ran it failed
-    REJECTED = "rejected"  # refused at submission (cluster only; the engine raises instead)
-    # Handed back by a draining replica for the client to continue elsewhere (cluster only;
-    # the client resumes it on another replica, so no user ever sees this reason).
-    MIGRATE = "migrate"
 
 
 @dataclass(eq=False)

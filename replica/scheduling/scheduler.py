@@ -17,22 +17,27 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from protocol import defaults
 from protocol.clock import Clock
 from replica.errors import InvariantViolation
 from replica.scheduling.block_manager import PagedSlotTable
 from replica.scheduling.request import FinishReason, Request, RequestStatus
-from replica.scheduling.slot_table import SlotTable
+from replica.scheduling.slot_table import SlotTable, TokenSlotTable
 
 
 class SchedulerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    num_slots: int = Field(8, gt=0, description="rows of the K/V cache = most requests running at once")
-    max_seq_len: int = Field(512, gt=1, description="K/V tokens one slot holds")
+    num_slots: int = Field(
+        defaults.NUM_SLOTS, gt=0, description="rows of the K/V cache = most requests running at once"
+    )
+    max_seq_len: int = Field(defaults.MAX_SEQ_LEN, gt=1, description="K/V tokens one slot holds")
     kv_budget_tokens: int | None = Field(
         None, gt=0, description="K/V tokens for all slots together (default: all full)"
     )
-    token_budget: int = Field(256, gt=0, description="`chunked`: tokens per step, decodes first, then prefill chunks")
+    token_budget: int = Field(
+        defaults.TOKEN_BUDGET, gt=0, description="`chunked`: tokens per step, decodes first, then prefill chunks"
+    )
     max_wait: float = Field(
         0.5, ge=0.0, description="`dynamic`: seconds the oldest waiting request may wait for a full batch"
     )
@@ -118,11 +123,11 @@ class Scheduler:
                 config.num_slots, config.max_seq_len, config.num_blocks, config.block_size, config.prefix_caching
             )
         else:
-            self.slots = SlotTable(config.num_slots, config.max_seq_len, config.kv_budget_tokens)
+            self.slots = TokenSlotTable(config.num_slots, config.max_seq_len, config.kv_budget_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the youngest
         self.held: list[Request] = []
-        self.arrivals_done = False
+        self._arrivals_done = False
         self.num_preemptions = 0
         self.num_prefix_cached_tokens = 0  # tokens admission skipped: their K/V were in the prefix cache
 
@@ -151,13 +156,34 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
+    @property
+    def arrivals_done(self) -> bool:
+        """Whether no more requests will come before a running one ends (a static batch then
+        need not wait to be full). Only a replayer knows: the driver, the simulator."""
+        return self._arrivals_done
+
+    def set_arrivals_done(self, done: bool) -> None:
+        self._arrivals_done = done
+
     def close_arrivals(self) -> None:
-        """No more requests will come: a static batch need not wait to be full."""
-        self.arrivals_done = True
+        """No more requests will come."""
+        self.set_arrivals_done(True)
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def live_requests(self) -> list[Request]:
+        """Every request waiting or running, for a load report's work counts."""
+        return [*self.waiting, *self.running]
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

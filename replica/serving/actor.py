@@ -29,14 +29,19 @@ from functools import partial
 from typing import Any
 
 import ray
+from ray.actor import ActorHandle
 
 from protocol.backlog import StoreBacklog
 from protocol.errors import OverloadedError, SlotServeError
+from protocol.finish import NATURAL_ENDINGS
 from protocol.messages import HealthReport, LoadReport, StreamEvent
-from protocol.telemetry import ReplicaTelemetry
-from replica.engine import RequestOutput, StepRecord
+from protocol.records import StepRecord
+from protocol.replicas import ReplicaInfo, Resume
+from protocol.telemetry_hooks import ReplicaTelemetry
+from replica.engine import RequestOutput
 from replica.errors import InvalidRequestError
-from replica.scheduling.request import FinishReason, validate_prompt, validate_request_id
+from replica.scheduling.kv_events import with_kv_events
+from replica.scheduling.request import SamplingParams, validate_prompt, validate_request_id
 from replica.serving.loop import AsyncEngine, ReplicaConfig, build_engine, report_due
 
 STEP_BATCH = 64  # step samples per store write
@@ -71,7 +76,7 @@ class ReplicaActor:
             max_queue=self.config.max_queue,
             stall_timeout=self.config.stall_timeout,
         )
-        # live metrics: `telemetry(replica_id, engine)` builds the exporter it is given (cluster.telemetry)
+        # live metrics: `telemetry(replica_id, engine)` builds the exporter it is given (cluster.prometheus_exporters)
         self.telemetry = telemetry(replica_id, self.serving.engine) if telemetry else ReplicaTelemetry()
         self.router = None
         self.store = None
@@ -84,7 +89,9 @@ class ReplicaActor:
         self._sweeper: asyncio.Task | None = None
         self._last_report = 0.0
 
-    def attach(self, router=None, store=None, run_id: int | None = None) -> None:
+    def attach(
+        self, router: ActorHandle | None = None, store: ActorHandle | None = None, run_id: int | None = None
+    ) -> None:
         """Given after creation, since the router is made from the replicas' handles (and
         again by the router when Ray has restarted this replica). The first load report goes
         out now, so the router knows this replica's free slots."""
@@ -94,30 +101,31 @@ class ReplicaActor:
         self._last_report = 0.0
         self._on_load(self.serving.load())
 
-    def info(self) -> dict:
+    def info(self) -> ReplicaInfo:
         engine = self.serving.engine
-        return {
-            "replica_id": self.replica_id,
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "pid": os.getpid(),
-            "policy": engine.config.policy,
-            "model": engine.config.model,
-            "num_slots": engine.config.num_slots,
-            "vocab_size": engine.runner.vocab_size,
-            "max_request_tokens": engine.scheduler.slots.max_request_tokens,  # context limit (HTTP ingress)
-            "fake_step_seconds": self.config.fake_step_seconds,
-            "fake": self.config.fake,  # the fake model (flat or work-priced steps), no tokenizer
-            "config": self.config.model_dump(),
-            "load": self.serving.load(),
-            "health": self.health(),
-            "peak_queued": self.serving.peak_queued,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "rejected": self.serving.rejected,
-            "steps_waiting": self._steps.waiting,  # step records not yet written to the store
-            "steps_dropped": self._steps.dropped,  # past the backlog's bound (protocol.backlog)
-            "steps_failed": self._steps.failed,  # in writes the store refused
-            "telemetry": self.telemetry.snapshot(),
-        }
+        return ReplicaInfo(
+            replica_id=self.replica_id,
+            node_id=ray.get_runtime_context().get_node_id(),
+            pid=os.getpid(),
+            policy=engine.config.policy,
+            model=engine.config.model,
+            num_slots=engine.config.num_slots,
+            block_size=engine.config.block_size,
+            vocab_size=engine.runner.vocab_size,
+            max_request_tokens=engine.scheduler.slots.max_request_tokens,
+            fake=self.config.fake,
+            fake_step_seconds=self.config.fake_step_seconds,
+            config=self.config.model_dump(),
+            load=self.serving.load(),
+            health=self.health(),
+            peak_queued=self.serving.peak_queued,
+            peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            rejected=self.serving.rejected,
+            steps_waiting=self._steps.waiting,
+            steps_dropped=self._steps.dropped,
+            steps_failed=self._steps.failed,
+            telemetry=self.telemetry.snapshot(),
+        )
 
     def health(self) -> HealthReport:
         return self.serving.health(
@@ -136,10 +144,10 @@ class ReplicaActor:
         self,
         subscriber: str,
         prompt: str | list[int],
-        params: dict | None,
+        params: SamplingParams | None,
         request_id: str,
         arrival_time: float | None = None,
-        resume: tuple[list[int], str] | None = None,
+        resume: Resume | None = None,
     ) -> None:
         """Queue a request whose events go to `subscriber`'s stream (see `events`); `resume`
         continues one another replica started. A refused request raises its typed error here
@@ -162,7 +170,7 @@ class ReplicaActor:
             if isinstance(err, SlotServeError):
                 self.telemetry.on_reject(request_id)
             if isinstance(err, SlotServeError) and self.router is not None:
-                self.router.complete.remote(request_id, replica_id=self.replica_id)
+                self.router.complete.remote(request_id, self.replica_id)
             raise
 
     async def events(self, subscriber: str) -> AsyncIterator[list[StreamEvent]]:
@@ -242,7 +250,7 @@ class ReplicaActor:
                 out.new_text,
                 out.time,
                 out.finished,
-                out.finish_reason.value if out.finish_reason else None,
+                out.finish_reason,
                 out.error,
             )
         )
@@ -281,6 +289,11 @@ class ReplicaActor:
         self.telemetry.set_run(run_id)
         self.serving.set_arrivals_done(False)
 
+    def request_kv_snapshot(self) -> None:
+        """The router lost track of this replica's prefix cache (a gap in its K/V events'
+        numbers): the next load report sends it whole."""
+        self.serving.request_kv_snapshot()
+
     def set_arrivals_done(self, done: bool) -> None:
         """The driver says whether more requests may come before a running one ends."""
         self.serving.set_arrivals_done(done)
@@ -308,9 +321,9 @@ class ReplicaActor:
         if self.router is not None:
             # Only a natural end says how long the output was; a cut-short one would teach a
             # length estimate a length the request never had.
-            natural = output.finish_reason in (FinishReason.EOS, FinishReason.STOP, FinishReason.LENGTH)
+            natural = output.finish_reason in NATURAL_ENDINGS
             output_len = output.num_output_tokens if natural else None
-            self.router.complete.remote(output.request_id, replica_id=self.replica_id, output_len=output_len)
+            self.router.complete.remote(output.request_id, self.replica_id, output_len)
 
     @property
     def _num_slots(self) -> int:
@@ -322,7 +335,7 @@ class ReplicaActor:
         if self.router is None or not report_due(load, now - self._last_report):
             return
         self._last_report = now
-        self.router.report.remote(load)
+        self.router.report.remote(with_kv_events(load, self.serving.engine.scheduler.slots))
 
 
 def _check_arguments(subscriber: Any, prompt: Any, request_id: Any, arrival_time: Any) -> None:

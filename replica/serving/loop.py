@@ -1,3 +1,4 @@
+# Over 400 lines: the inbox, the step thread, draining, health and K/V-snapshot requests act on one state.
 """The serving loop of one replica: the engine stepping in a background thread while
 requests arrive and tokens stream out on an asyncio event loop. No Ray here; `actor.py`
 wraps this in a Ray actor.
@@ -17,8 +18,6 @@ within a timeout and hands the rest back for migration (finish reason `migrate`)
 from __future__ import annotations
 
 import asyncio
-import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -26,12 +25,16 @@ from dataclasses import dataclass, replace
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protocol.errors import DrainingError, OverloadedError
+from protocol.finish import FinishReason
 from protocol.messages import HealthReport, LoadReport
+from protocol.rates import CompletionRate
+from protocol.records import StepRecord
+from protocol.replicas import Resume
 from replica.config import EngineConfig
-from replica.engine import Engine, RequestOutput, StepRecord
+from replica.engine import Engine, RequestOutput
 from replica.errors import InvalidRequestError
 from replica.model.fake import FlatCostModel, LinearCostModel, ScriptedFakeRunner
-from replica.scheduling.request import FinishReason, SamplingParams
+from replica.scheduling.request import SamplingParams
 
 
 class ReplicaConfig(BaseModel):
@@ -82,24 +85,6 @@ def build_engine(config: ReplicaConfig) -> Engine:
 REPORT_INTERVAL = 0.02
 
 
-def load_report(engine: Engine, replica_id: str, queued: int = 0) -> LoadReport:
-    """The engine's load at a step boundary; `queued` counts submissions not yet in its queue."""
-    s = engine.scheduler
-    live = [*s.waiting, *s.running]
-    return LoadReport(
-        replica_id,
-        len(s.waiting) + queued,
-        len(s.running),
-        s.slots.num_free_slots,
-        s.slots.num_slots,
-        s.slots.free_kv_tokens,
-        engine.clock.now(),
-        prefill_tokens_pending=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in live),
-        decode_tokens_made=sum(r.num_output_tokens for r in live),
-        tokens_made={r.request_id: r.num_output_tokens for r in live},
-    )
-
-
 def report_due(load: LoadReport, since_last: float) -> bool:
     """Whether a replica sends this report to the router (the cluster and the simulator
     throttle alike): always when idle, else at most every REPORT_INTERVAL."""
@@ -107,33 +92,24 @@ def report_due(load: LoadReport, since_last: float) -> bool:
 
 
 @dataclass
-class _Submission:
+class Submission:
+    """A request for the engine, applied between steps; `accepted` resolves once it is queued
+    (or carries the engine's refusal), then `sink` gets each of its outputs."""
+
     prompt: str | list[int]
     params: SamplingParams | dict | None
     request_id: str
     arrival_time: float | None
     accepted: asyncio.Future
     sink: Callable[[RequestOutput], None]
-    resume: tuple[list[int], str] | None = None
+    resume: Resume | None = None
 
 
-class CompletionRate:
-    """Requests finished per second over the last `window` completions: the basis of the
-    retry-after hint an overloaded queue gives."""
+@dataclass(frozen=True)
+class Abort:
+    """Cancel a request, applied between steps."""
 
-    def __init__(self, window: int = 64):
-        self._times: deque[float] = deque(maxlen=window)
-
-    def add(self, now: float) -> None:
-        self._times.append(now)
-
-    def retry_after(self, ahead: int, default: float = 1.0) -> float:
-        """Seconds until `ahead` more requests have finished at the recent rate, clamped to
-        [0.05, 60]; `default` before two completions give a rate."""
-        if len(self._times) < 2 or self._times[-1] <= self._times[0]:
-            return default
-        rate = (len(self._times) - 1) / (self._times[-1] - self._times[0])
-        return min(60.0, max(0.05, ahead / rate))
+    request_id: str
 
 
 class AsyncEngine:
@@ -154,15 +130,20 @@ class AsyncEngine:
         self._on_step = on_step or (lambda record: None)
         self._on_finish = on_finish or (lambda output: None)
         self._on_load = on_load or (lambda load: None)
-        self._inbox: list[_Submission | str] = []  # submissions, or request ids to abort
+        self._inbox: list[Submission | Abort] = []
         self._sinks: dict[str, Callable[[RequestOutput], None]] = {}
         self._wake = asyncio.Event()
+        self._drain_deadline: float | None = None  # on the clock; the loop hands back what is left then
+        self._drained, self._handed_back = asyncio.Event(), 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._task: asyncio.Task | None = None
         self._arrivals_done = False
         self._reset_prefix_cache = False  # asked for; done between steps, on the loop's side
-        self._step_started: float | None = None  # monotonic start of the step running now
-        self._last_step = time.monotonic()
+        self._kv_snapshot = False  # likewise: the next load report's K/V events a snapshot
+        # Every time here is on the engine's clock, so tests drive a FakeClock instead of waiting.
+        self.clock = engine.clock
+        self._step_started: float | None = None  # start of the step running now
+        self._last_step = self.clock.now()
         self.loop_error: str | None = None
         self.draining = False
         self.peak_queued = 0
@@ -181,6 +162,12 @@ class AsyncEngine:
         self._reset_prefix_cache = True
         self._wake.set()
 
+    def request_kv_snapshot(self) -> None:
+        """Send the whole prefix cache on the next load report's K/V events (the router saw a
+        gap in their numbers), set between steps: the step thread records the cache's changes."""
+        self._kv_snapshot = True
+        self._wake.set()
+
     async def submit(
         self,
         prompt: str | list[int],
@@ -188,13 +175,13 @@ class AsyncEngine:
         request_id: str,
         arrival_time: float | None,
         sink: Callable[[RequestOutput], None],
-        resume: tuple[list[int], str] | None = None,
+        resume: Resume | None = None,
     ) -> None:
         """Queue a request; once accepted, each of its outputs is passed to `sink` on the event
         loop as steps make them, the last with finished=True. Raises InvalidRequestError when
         the engine refuses it, OverloadedError when the waiting queue is full, DrainingError
-        while draining. `resume` = (token ids, text) another replica already delivered: they
-        are prefilled with the prompt and generation continues after them."""
+        while draining. `resume`: the tokens another replica already delivered, prefilled with
+        the prompt; generation continues after them."""
         if self.draining:
             raise DrainingError(self.replica_id)
         if self.loop_error is not None:
@@ -213,7 +200,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         if self._task is None:
             self._task = loop.create_task(self._run())
-        sub = _Submission(prompt, params, request_id, arrival_time, loop.create_future(), sink, resume)
+        sub = Submission(prompt, params, request_id, arrival_time, loop.create_future(), sink, resume)
         self._inbox.append(sub)
         self.peak_queued = max(self.peak_queued, queued + 1)
         self._wake.set()
@@ -240,25 +227,29 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.append(request_id)
+        self._inbox.append(Abort(request_id))
         self._wake.set()
+
+    @property
+    def _submitted(self) -> int:  # submissions in the inbox, not yet in the engine's queue
+        return sum(isinstance(i, Submission) for i in self._inbox)
 
     @property
     def queued(self) -> int:
         """Requests waiting for a slot: in the engine's queue, or submitted and not yet in it."""
-        return len(self.engine.scheduler.waiting) + sum(isinstance(i, _Submission) for i in self._inbox)
+        return self.engine.num_waiting + self._submitted
 
     def retry_after(self, ahead: int) -> float:
         """Seconds until `ahead` more requests have finished here, at the recent rate."""
         return self._completions.retry_after(ahead)
 
     def load(self) -> LoadReport:
-        return load_report(self.engine, self.replica_id, sum(isinstance(i, _Submission) for i in self._inbox))
+        return self.engine.load_report(self.replica_id, self._submitted)
 
     def health(self, subscribers: int = 0, attached: bool = False) -> HealthReport:
         """Unhealthy when the loop raised, or one step has run longer than `stall_timeout`;
         `subscribers` and `attached` are what only the actor around this loop knows."""
-        now = time.monotonic()
+        now = self.clock.now()
         age = now - (self._step_started if self._step_started is not None else self._last_step)
         reason = None
         if self.loop_error is not None:
@@ -271,12 +262,12 @@ class AsyncEngine:
             reason,
             age,
             self.loop_error,
-            len(self.engine.scheduler.running),
+            self.engine.num_running,
             self.queued,
             subscribers,
             self.draining,
             attached,
-            time.time(),
+            now,
         )
 
     async def drain(self, timeout: float) -> dict[str, int]:
@@ -284,51 +275,69 @@ class AsyncEngine:
         the rest back (finish reason `migrate`) for their clients to continue elsewhere.
         Returns how many finished and how many were handed back."""
         self.draining = True
-        held = len(self.engine.requests) + sum(isinstance(i, _Submission) for i in self._inbox)
-        deadline = time.monotonic() + timeout
-        while (self.engine.has_unfinished or self._inbox) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        handed_back = self._hand_back("replica draining")
-        return {"finished": held - handed_back, "migrated": handed_back}
+        held = len(self.engine.requests) + self._submitted
+        if self._task is None or self._task.done():  # no loop runs: nothing is held, or it failed and handed back
+            return {"finished": 0, "migrated": 0}
+        self._drain_deadline = self.clock.now() + timeout
+        self._wake.set()
+        try:  # the loop hands back between steps, once all is done or its clock passes the deadline
+            await asyncio.wait_for(self._drained.wait(), timeout)
+        except TimeoutError:  # an idle loop sees the deadline only when woken
+            self._wake.set()
+            await self._drained.wait()
+        return {"finished": held - self._handed_back, "migrated": self._handed_back}
 
-    def _hand_back(self, reason: str) -> int:
+    def _drain_due(self) -> bool:
+        """Draining, not yet handed back, and nothing left or past the deadline."""
+        if self._drain_deadline is None or self._drained.is_set():
+            return False
+        return not (self.engine.has_unfinished or self._inbox) or self.clock.now() >= self._drain_deadline
+
+    def _hand_back(self, reason: str) -> None:
         """End every request held with finish reason `migrate` (aborted here, to be resumed
-        by its client on another replica); submissions not yet applied are refused."""
+        by its client on another replica); submissions not yet applied are refused. Counted in
+        `_handed_back` for a drain waiting on `_drained`."""
         inbox, self._inbox = self._inbox, []
         for item in inbox:
-            if isinstance(item, _Submission) and not item.accepted.done():
+            if isinstance(item, Submission) and not item.accepted.done():
                 item.accepted.set_exception(DrainingError(self.replica_id, detail=reason))
         count = 0
         for request_id in list(self.engine.requests):
             try:
                 final = self.engine.abort(request_id)
             except Exception:  # noqa: BLE001 - a broken engine must not keep the others from moving
-                final = RequestOutput(request_id, [], "", True, FinishReason.ABORT, self.engine.clock.now())
+                final = RequestOutput(request_id, [], "", True, FinishReason.ABORT, self.clock.now())
                 self.engine.requests.pop(request_id, None)
             if final is not None:
                 count += 1
                 self._deliver(replace(final, finish_reason=FinishReason.MIGRATE, error=f"{self.replica_id}: {reason}"))
-        return count
+        self._handed_back = count
+        self._drained.set()
 
     def _apply_inbox(self) -> None:
         if self._reset_prefix_cache:
             self._reset_prefix_cache = False
             self.engine.reset_prefix_cache()
+        if self._kv_snapshot:
+            self._kv_snapshot = False
+            self.engine.scheduler.slots.request_kv_snapshot()
         inbox, self._inbox = self._inbox, []
         for item in inbox:
-            if isinstance(item, str):
-                if (final := self.engine.abort(item)) is not None:
-                    self._deliver(final)
-                continue
-            try:
-                self.engine.add_request(item.prompt, item.params, item.request_id, item.arrival_time)
-            except Exception as err:  # noqa: BLE001 - the caller gets the error; the loop goes on
-                item.accepted.set_exception(err)
-                continue
-            if item.resume is not None:  # checked at submission; nothing has run for it yet
-                self.engine.requests[item.request_id].resume_from(*item.resume)
-            self._sinks[item.request_id] = item.sink
-            item.accepted.set_result(None)
+            match item:
+                case Abort(request_id):
+                    if (final := self.engine.abort(request_id)) is not None:
+                        self._deliver(final)
+                case Submission():
+                    self._admit(item)
+
+    def _admit(self, sub: Submission) -> None:
+        try:
+            self.engine.add_request(sub.prompt, sub.params, sub.request_id, sub.arrival_time, resume=sub.resume)
+        except Exception as err:  # noqa: BLE001 - the caller gets the error; the loop goes on
+            sub.accepted.set_exception(err)
+            return
+        self._sinks[sub.request_id] = sub.sink
+        sub.accepted.set_result(None)
 
     def _deliver(self, output: RequestOutput) -> None:
         sink = self._sinks.get(output.request_id)
@@ -336,7 +345,7 @@ class AsyncEngine:
             sink(output)
         if output.finished:
             self._sinks.pop(output.request_id, None)
-            self._completions.add(time.monotonic())
+            self._completions.add(self.clock.now())
             self._on_finish(output)
 
     async def _run(self) -> None:
@@ -354,15 +363,17 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         while True:
             self._apply_inbox()
+            if self._drain_due():
+                self._hand_back("replica draining")
             if not self.engine.has_unfinished:
                 self._on_load(self.load())
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            self.engine.scheduler.arrivals_done = self._arrivals_done
-            self._step_started = time.monotonic()
+            self.engine.set_arrivals_done(self._arrivals_done)
+            self._step_started = self.clock.now()
             result = await loop.run_in_executor(self._executor, self.engine.step)
-            self._step_started, self._last_step = None, time.monotonic()
+            self._step_started, self._last_step = None, self.clock.now()
             for output in result.outputs:
                 self._deliver(output)
             if result.record is not None:
@@ -370,31 +381,31 @@ class AsyncEngine:
                 self._on_load(self.load())
                 continue
             # Nothing could run (a static batch filling up): sleep until the policy's timer
-            # or until something new arrives (a submission made during the step counts).
-            wake = self.engine.scheduler.wake_time()
-            timeout = None if wake is None else max(0.0, wake - self.engine.clock.now())
+            # (on the clock) or until something new arrives (a submission made during the step counts).
+            wake = self.engine.wake_time()
             self._wake.clear()
             if self._inbox:
                 continue
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            except TimeoutError:
-                pass
+            waits = {asyncio.ensure_future(self._wake.wait())}
+            if wake is not None:
+                waits.add(asyncio.ensure_future(self.clock.asleep(wake - self.clock.now())))
+            _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for waiting in pending:
+                waiting.cancel()
 
 
-def _check_resume(resume: object, params: SamplingParams | dict | None, vocab_size: int) -> tuple[list[int], str]:
-    """`resume` must be (token ids in the vocabulary, text) with fewer tokens than max_tokens
-    (a request that had them all was finished)."""
-    if not (isinstance(resume, (tuple, list)) and len(resume) == 2):
-        raise InvalidRequestError("resume", f"must be (token ids, text), got {type(resume).__name__}")
-    token_ids, text = resume
-    if not isinstance(token_ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in token_ids
+def _check_resume(resume: object, params: SamplingParams | dict | None, vocab_size: int) -> Resume:
+    """`resume` must be a Resume of token ids in the vocabulary and text, with fewer tokens than
+    max_tokens (a request that had them all was finished)."""
+    if not isinstance(resume, Resume):
+        raise InvalidRequestError("resume", f"must be a Resume (token ids, text), got {type(resume).__name__}")
+    if not isinstance(resume.token_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in resume.token_ids
     ):
         raise InvalidRequestError("resume", f"token ids must be a list of integers in [0, {vocab_size})")
-    if not isinstance(text, str):
-        raise InvalidRequestError("resume", f"text must be a string, got {type(text).__name__}")
+    if not isinstance(resume.text, str):
+        raise InvalidRequestError("resume", f"text must be a string, got {type(resume.text).__name__}")
     max_tokens = SamplingParams.parse(params).max_tokens
-    if len(token_ids) >= max_tokens:
-        raise InvalidRequestError("resume", f"{len(token_ids)} tokens already reach max_tokens={max_tokens}")
-    return token_ids, text
+    if len(resume.token_ids) >= max_tokens:
+        raise InvalidRequestError("resume", f"{len(resume.token_ids)} tokens already reach max_tokens={max_tokens}")
+    return resume

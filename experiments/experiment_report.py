@@ -2,7 +2,7 @@
 over seeds, with the spread as half the min-max range), and a Markdown report with the table,
 the command, the machine, the run ids and the plots, in one folder.
 
-Every figure comes from `metrics.report.analyze` of the stored runs (the docs/ARCHITECTURE.md metrics,
+Every figure comes from `metrics.goodput_report.analyze` of the stored runs (the docs/ARCHITECTURE.md metrics,
 for the whole cluster), so the report says what `slotserve report RUN` says about each run."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from cluster.serve_baseline import SERVE_ROUTERS
 from experiments.plan import AXES, Cell
 from experiments.run import ExperimentResult
 from metrics.definitions import SLO
-from metrics.report import analyze
+from metrics.goodput_report import analyze
 from metrics.store import MetricsStore
 from workloads.prefixes import best_prefix_hit_rate
 
@@ -27,6 +27,7 @@ METRICS: list[tuple[str, str, Callable[[dict], float | None], str]] = [
     ("goodput", "good tok/s", lambda c: c["goodput"], "{:.1f}"),
     ("slo_attainment", "SLO met %", lambda c: _pct(c["slo_attainment"]), "{:.0f}"),
     ("ttft_p50", "TTFT p50 s", lambda c: c["ttft"]["p50"], "{:.3f}"),
+    ("ttft_p90", "TTFT p90 s", lambda c: c["ttft"]["p90"], "{:.3f}"),
     ("ttft_p99", "TTFT p99 s", lambda c: c["ttft"]["p99"], "{:.3f}"),
     ("tpot_p50", "TPOT p50 s", lambda c: c["tpot"]["p50"], "{:.3f}"),
     ("itl_p99", "ITL p99 s", lambda c: c["itl"]["p99"], "{:.3f}"),
@@ -183,13 +184,13 @@ def _plots(result: ExperimentResult, rows: list[SummaryRow], out: Path) -> list[
     made: list[tuple[str, Path]] = []
     kind = "simulated" if result.simulated else "real"
     points = [plots.SweepPoint(series_label(r.cell, axes), r.cell.load, r.values) for r in rows]
-    first_runs = {_run_title(r, axes): r.run_ids[0] for r in rows[: plots.MAX_PANELS]}
+    first_runs = {_run_title(r, axes): r.run_ids[0] for r in rows}  # every row: a plot leaves none out
     lightest: dict[str, SummaryRow] = {}  # per series, its row at the lowest load: every policy gets a timeline
     for r in rows:
         best = lightest.setdefault(series_label(r.cell, axes), r)
         if (r.cell.load or 0) < (best.cell.load or 0):
             lightest[series_label(r.cell, axes)] = r
-    timelines = {_run_title(r, axes): r.run_ids[0] for r in list(lightest.values())[:MAX_TIMELINES]}
+    timelines = {_run_title(r, axes): r.run_ids[0] for r in lightest.values()}
     try:
         for name in experiment.plots:
             path = out / f"{name}.png"
@@ -251,7 +252,6 @@ def _plots(result: ExperimentResult, rows: list[SummaryRow], out: Path) -> list[
 
 
 TIMELINE_REQUESTS = 32  # a slot timeline shows the first requests of one replica: a short run
-MAX_TIMELINES = 6
 
 
 def _row_title(row: SummaryRow, axes: list[str]) -> str:

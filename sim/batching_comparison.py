@@ -1,14 +1,13 @@
 """Compare batching policies on one replica of a real model, on the same traffic.
 
 One model runner is shared by every policy (same weights, same cache memory), the load is
-stated as a multiple of the replica's measured full-batch decode capacity, and each policy
-replays the same seeded workload. Prints a table and writes traces, step records, a summary
-and a plot."""
+stated as a multiple of the replica's measured capacity (decoding and prefilling with every
+slot busy, `workloads.capacity`), and each policy replays the same seeded workload. Prints a
+table and writes traces, step records, a summary and a plot."""
 
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import asdict
 from pathlib import Path
 
@@ -17,40 +16,39 @@ from replica.config import EngineConfig
 from replica.engine import Engine
 from replica.model.runner import ModelRunner
 from sim.replay import ReplayResult, replay
+from workloads.capacity import Capacity, probe_capacity
 from workloads.standard import at_load
 
 
-def measure_decode_capacity(runner: ModelRunner, num_slots: int, max_seq_len: int) -> float:
-    """Output tokens/s of full-batch decode steps on this runner (median step)."""
-    engine = Engine(EngineConfig(policy="mixed", num_slots=num_slots, max_seq_len=max_seq_len), runner)
-    prompts = [[100 + i] * 32 for i in range(num_slots)]
-    for p in prompts:
-        engine.add_request(p, {"max_tokens": 12, "ignore_eos": True})
-    times = []
-    while engine.has_unfinished:
-        record = engine.step().record
-        if record and record.num_prefill_tokens == 0 and record.num_decode_tokens == num_slots:
-            times.append(record.duration)
-    return num_slots / statistics.median(times[2:] or times)
+def measure_capacity(runner: ModelRunner, num_slots: int, max_seq_len: int) -> Capacity:
+    """One replica's capacity on this runner, by the probes a cluster is measured with
+    (`workloads.capacity.probe_capacity`), each replayed through a fresh engine (an empty
+    prefix cache) on the wall clock."""
+    config = EngineConfig(policy="mixed", num_slots=num_slots, max_seq_len=max_seq_len)
+    return probe_capacity(
+        lambda probe: replay(Engine(config, runner), probe, seed=probe.seed).traces, num_slots, max_seq_len
+    )
 
 
 def compare_policies(
     policies: list[str],
-    workload: str = "long-prompts",
-    num_requests: int = 24,
-    load: float = 0.8,
-    num_slots: int = 8,
-    max_seq_len: int = 640,
-    token_budget: int = 64,
-    model: str = "smollm2-135m",
-    dtype: str = "float32",
-    seed: int = 0,
-    slo: SLO = SLO(),
+    workload: str,
+    num_requests: int,
+    load: float,
+    num_slots: int,
+    max_seq_len: int,
+    token_budget: int,
+    model: str,
+    dtype: str,
+    seed: int,
+    slo: SLO,
     out_dir: Path | None = None,
     progress: bool = True,
 ) -> dict:
+    """Each policy replays the same traffic at `load` x the measured capacity; the
+    arguments are `slotserve compare`'s flags, whose defaults are the only ones."""
     runner = ModelRunner(EngineConfig(model=model, num_slots=num_slots, max_seq_len=max_seq_len, dtype=dtype))
-    capacity = measure_decode_capacity(runner, num_slots, max_seq_len)
+    capacity = measure_capacity(runner, num_slots, max_seq_len)
     traffic = at_load(workload, num_requests, load, capacity, seed)
     rate = traffic.params.get("mean_rate_requests_per_s", 0.0)
     rows, results = [], {}
@@ -88,7 +86,7 @@ def compare_policies(
         "workload": traffic.describe(),
         "workload_params": traffic.params,
         "load": load,
-        "capacity_tokens_per_s": capacity,
+        **capacity.as_params(),
         "rate_requests_per_s": rate,
         "num_slots": num_slots,
         "token_budget": token_budget,
@@ -118,7 +116,8 @@ def format_comparison(report: dict) -> str:
     slo = report["slo"]
     lines.append(
         f"workload: {report['workload']}; load {report['load']}x of measured capacity "
-        f"({report['capacity_tokens_per_s']:.1f} decode tokens/s at {report['num_slots']} slots) = "
+        f"({report['capacity_tokens_per_s']:.1f} decode and {report['capacity_prefill_tokens_per_s']:.0f} "
+        f"prompt tokens/s at {report['num_slots']} slots) = "
         f"{report['rate_requests_per_s']:.2f} requests/s; chunked token budget {report['token_budget']}; "
         f"SLO: TTFT <= {slo['ttft']} s, TPOT <= {slo['tpot']} s"
     )

@@ -83,7 +83,7 @@ def _prefix_hit_rate(traces: list[RequestTrace], steps: list[dict]) -> float | N
     prompt = sum(t.prompt_len for t in traces if t.replica is not None)
     if not steps or not prompt:
         return None
-    return max(0.0, 1.0 - sum(s["prefill_tokens"] or 0 for s in steps) / prompt)
+    return max(0.0, 1.0 - sum(s["num_prefill_tokens"] or 0 for s in steps) / prompt)
 
 
 def _scope(traces: list[RequestTrace], steps: list[dict], slo: SLO) -> dict:
@@ -115,7 +115,7 @@ def _scope(traces: list[RequestTrace], steps: list[dict], slo: SLO) -> dict:
         failed=ends["error"],
         aborted=ends["abort"],
         num_steps=len(steps),
-        preemptions=sum(s["preemptions"] or 0 for s in steps),
+        preemptions=sum(s["num_preemptions"] or 0 for s in steps),
         occupancy=float(np.mean(ratios)) if ratios else None,
         slot_efficiency=slot_efficiency(
             [s["useful_rows"] or 0 for s in steps], [s["computed_rows"] or 0 for s in steps]
@@ -143,6 +143,7 @@ _COLUMNS = [  # header, width, value of a scope row
     ("good req/s", 10, lambda r: f"{r['goodput_requests']:.2f}"),
     ("SLO met", 7, lambda r: _pct(r["slo_attainment"])),
     ("TTFT p50", 8, lambda r: _sec(r["ttft"]["p50"])),
+    ("TTFT p90", 8, lambda r: _sec(r["ttft"]["p90"])),
     ("TTFT p99", 8, lambda r: _sec(r["ttft"]["p99"])),
     ("TPOT p50", 8, lambda r: _sec(r["tpot"]["p50"])),
     ("TPOT p99", 8, lambda r: _sec(r["tpot"]["p99"])),

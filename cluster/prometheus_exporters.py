@@ -2,7 +2,7 @@
 the Prometheus service-discovery file that lists every node's metrics port.
 
 Each actor is given a factory (`replica_telemetry`, `router_telemetry`) and builds its exporter
-in its own process; the actor calls the hooks of `protocol.telemetry` and all the logic is
+in its own process; the actor calls the hooks of `protocol.telemetry_hooks` and all the logic is
 here. Ray serves what is recorded on each node's metrics export port (`ray_` + the name; the
 scrape configuration in `dashboards/` renames it back). The names, labels and buckets are
 `metrics.live.METRICS`.
@@ -27,9 +27,10 @@ from typing import Any
 import ray
 
 from metrics.definitions import SLO, RequestTrace
-from metrics.live import METRICS, NO_RUN, LiveMetric
+from metrics.live import METRICS, NO_RUN, PROBE_RUN, LiveMetric, is_probe
 from protocol.errors import SlotServeError
-from protocol.telemetry import ReplicaTelemetry, RouterTelemetry
+from protocol.routing import RouteRequest
+from protocol.telemetry_hooks import ReplicaTelemetry, RouterTelemetry
 from replica.engine import Engine, RequestOutput, StepRecord
 from replica.scheduling.request import FinishReason, Request
 from replica.serving.loop import ReplicaConfig
@@ -88,13 +89,18 @@ class _Tracked:
     """A request the replica is serving, and how much of it has been observed."""
 
     request: Request
+    probe: bool = False  # one of a capacity probe's requests (`metrics.live.is_probe`)
     seen: int = 0  # token times already observed
     queued: bool = False  # queue time observed
 
 
 class ReplicaExporter(ReplicaTelemetry):
     """A replica's metrics, read from its engine at each hook (the engine is between steps
-    whenever a hook runs, except `on_submit`, which only looks a request up)."""
+    whenever a hook runs, except `on_submit`, which only looks a request up).
+
+    While a capacity probe's requests are in flight, counters and histograms carry
+    `run="probe"`: a probe saturates the cluster on its own before a run begins, and its queue
+    and latencies are not the run's."""
 
     def __init__(self, replica_id: str, engine: Engine, model: str, slo: SLO, refresh: float | None = GAUGE_REFRESH):
         self.engine = engine
@@ -110,13 +116,19 @@ class ReplicaExporter(ReplicaTelemetry):
         self._unqueued: list[float] = []  # arrivals of requests that ended in their first step
         self._prefix_hits = engine.scheduler.num_prefix_cached_tokens
         self._gauges: dict[str, float] = {}
+        self._last_step: StepRecord | None = None  # the step whose load report comes next
+        self._probes = 0  # probe requests in flight
         self.totals = {"steps": 0, "generation_tokens": 0, "finished": 0}
         self.set_run(None)
         if refresh is not None:
             threading.Thread(target=self._refresh, args=(refresh,), daemon=True, name="slotserve-gauges").start()
 
     def set_run(self, run_id: int | None) -> None:
-        self._run_tags = {**self._labels, "run": NO_RUN if run_id is None else str(run_id)}
+        self._run = NO_RUN if run_id is None else str(run_id)
+        self._label_run(PROBE_RUN if self._probes else self._run)
+
+    def _label_run(self, run: str) -> None:
+        self._run_tags = {**self._labels, "run": run}
         self._tags_with: dict[tuple[str, str], dict[str, str]] = {}
 
     def _with(self, label: str, value: str) -> dict[str, str]:
@@ -128,8 +140,14 @@ class ReplicaExporter(ReplicaTelemetry):
     # ---- hooks ----------------------------------------------------------------------------
     def on_submit(self, request_id: str) -> None:
         request = self.engine.requests.get(request_id)
-        if request is not None:
-            self._requests[request_id] = _Tracked(request)
+        if request is None:
+            return
+        probe = is_probe(request_id)
+        self._requests[request_id] = _Tracked(request, probe)
+        if probe:
+            self._probes += 1
+            if self._probes == 1:
+                self._label_run(PROBE_RUN)
 
     def on_reject(self, request_id: str) -> None:
         self._ended("rejected", met=False, tokens=0)
@@ -156,6 +174,7 @@ class ReplicaExporter(ReplicaTelemetry):
         series.inc("generation_tokens_total", new_tokens, tags)
         self.totals["steps"] += 1
         self.totals["generation_tokens"] += new_tokens
+        self._last_step = record
 
     def on_finish(self, output: RequestOutput) -> None:
         reason = output.finish_reason.value if output.finish_reason else "error"
@@ -176,12 +195,22 @@ class ReplicaExporter(ReplicaTelemetry):
         if trace.tpot is not None:
             self.series.observe("request_time_per_output_token_seconds", trace.tpot, self._run_tags)
         self._ended(reason, self.slo.met_by(trace), trace.num_output_tokens)
+        if tracked.probe:
+            self._probes -= 1
+            if not self._probes:
+                self._label_run(self._run)
 
     def on_load(self, load: Any) -> None:
+        # Right after a step, its slots say what the replica was doing: a request that ended
+        # in the step held its slot through it and is gone by its end, while the next ones
+        # are admitted only when the next step starts, so the state between two steps would
+        # read a busy replica of short requests as idle beside full occupancy.
+        step, self._last_step = self._last_step, None
         slots = self.engine.scheduler.slots
-        self._set("num_requests_running", load.running)
+        held = load.num_slots - load.free_slots if step is None else step.live_slots
+        self._set("num_requests_running", load.running if step is None else step.live_slots)
         self._set("num_requests_waiting", load.queue_depth)
-        self._set("slots_used", load.num_slots - load.free_slots)
+        self._set("slots_used", held)
         self._set("slots_total", load.num_slots)
         self._set("kv_tokens_reserved", slots.used_kv_tokens)
         self._set("kv_tokens_total", slots.kv_budget_tokens)
@@ -232,7 +261,8 @@ class ReplicaExporter(ReplicaTelemetry):
 
 
 class RouterExporter(RouterTelemetry):
-    """The router's metrics: every decision timed and counted by replica and policy."""
+    """The router's metrics: every decision timed and counted by replica and policy (a capacity
+    probe's under `run="probe"`, as the replicas count them)."""
 
     def __init__(self, router: Any):
         self.router = router
@@ -243,24 +273,25 @@ class RouterExporter(RouterTelemetry):
         self._run = NO_RUN if run_id is None else str(run_id)
         self._tags: dict[tuple[str, ...], dict[str, str]] = {}
 
-    def _tags_for(self, policy: str, replica: str | None = None) -> dict[str, str]:
-        key = (policy,) if replica is None else (policy, replica)
+    def _tags_for(self, policy: str, probe: bool, replica: str | None = None) -> dict[str, str]:
+        key = (policy, probe, replica)
         if key not in self._tags:
-            self._tags[key] = {"routing_policy": policy, "run": self._run} | (
+            self._tags[key] = {"routing_policy": policy, "run": PROBE_RUN if probe else self._run} | (
                 {} if replica is None else {"replica": replica}
             )
         return self._tags[key]
 
-    def route(self, route: Callable[..., Any], *args: Any) -> Any:
+    def route(self, route: Callable[..., Any], request: RouteRequest) -> Any:
         started = time.perf_counter()
+        probe = is_probe(request.request_id)
         try:
-            decision = route(*args)
+            decision = route(request)
         except SlotServeError:
-            self.series.inc("router_rejections_total", 1, self._tags_for(self.router.policy.name))
+            self.series.inc("router_rejections_total", 1, self._tags_for(self.router.policy.name, probe))
             raise
         elapsed = time.perf_counter() - started
-        tags = self._tags_for(decision.policy)
-        self.series.inc("router_dispatches_total", 1, self._tags_for(decision.policy, decision.replica_id))
+        tags = self._tags_for(decision.policy, probe)
+        self.series.inc("router_dispatches_total", 1, self._tags_for(decision.policy, probe, decision.replica_id))
         self.series.observe("router_decision_time_seconds", elapsed, tags)
         if decision.signal_age is not None:
             self.series.observe("router_signal_age_seconds", decision.signal_age, tags)

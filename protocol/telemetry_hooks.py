@@ -1,6 +1,6 @@
 """The hooks a replica actor and the router actor call as they work, for live metrics.
 
-The actors are given a factory for the real exporter (`cluster.telemetry`), so neither
+The actors are given a factory for the real exporter (`cluster.prometheus_exporters`), so neither
 `replica` nor `router` imports the cluster package; an actor given none uses these no-op
 bases. Every hook is cheap and never raises into serving."""
 

@@ -1,0 +1,33 @@
+"""What crosses to and from the router: a request to place (from a client, or a client's own
+local router) and the view a client routing locally takes back from the router actor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.messages import LoadReport
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What the router needs to know about a request to place it. `block_hashes`: the chained
+    hashes of the prompt's full blocks of `block_size` tokens (`protocol.blocks`), for
+    prefix-aware policies; empty when the caller does not send them. `moved_from`: the replica
+    the request is being moved off (lost or draining), whose place is released first."""
+
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    session_id: str | None = None
+    block_hashes: tuple[int, ...] = ()
+    block_size: int = 16
+    moved_from: str | None = None
+
+
+@dataclass(frozen=True)
+class RouterView:
+    """The router actor's answer to a client that routes locally (`RouterActor.sync`): every
+    replica's last load report, and the replicas marked down with why."""
+
+    reports: dict[str, LoadReport] = field(default_factory=dict)
+    down: dict[str, str] = field(default_factory=dict)

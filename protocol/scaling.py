@@ -1,0 +1,88 @@
+"""What an autoscaling policy is told and what it answers: the cluster as the router sees it at
+one decision (`ScalingObservation`: the serving replicas' last load reports, how many replicas
+are starting or draining, the arrivals since the last decision) and the decision itself
+(`ScalingDecision`, with its reason and the inputs it was made from, so a run can show why the
+cluster grew or shrank). Plain frozen dataclasses: the simulator and a controller actor beside
+the router build the same observation, and a decision travels to the store as it is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.messages import LoadReport
+
+
+@dataclass(frozen=True)
+class ArrivalWindow:
+    """The requests that arrived in [start, end): how many, and their prompt and expected output
+    tokens (the requested `max_tokens`, or a router's estimate where outputs are not known)."""
+
+    start: float
+    end: float
+    requests: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class ScalingObservation:
+    """The cluster at one decision. `serving` replicas take traffic; `reports` holds the last
+    load report of each that has sent one. `starting` replicas were asked for and take traffic
+    once their cold start ends; `draining` ones take nothing new and leave once what they hold
+    has finished. Policies count `current` (serving + starting) as the cluster's size, so they
+    do not ask again for replicas already on their way."""
+
+    serving: int
+    reports: tuple[LoadReport, ...]
+    arrivals: ArrivalWindow
+    starting: int = 0
+    draining: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.reports) > self.serving:
+            raise ValueError(f"{len(self.reports)} load reports for {self.serving} serving replicas")
+
+    @property
+    def current(self) -> int:
+        return self.serving + self.starting
+
+    @property
+    def running(self) -> int:
+        return sum(r.running for r in self.reports)
+
+    @property
+    def queued(self) -> int:
+        return sum(r.queue_depth for r in self.reports)
+
+    @property
+    def ongoing(self) -> int:
+        """Requests running or waiting on the serving replicas (Ray Serve's "ongoing requests")."""
+        return self.running + self.queued
+
+    @property
+    def slots_per_replica(self) -> int:
+        """Slots of one replica (the largest reported; 0 before any report)."""
+        return max((r.num_slots for r in self.reports), default=0)
+
+
+@dataclass(frozen=True)
+class ScalingDecision:
+    """One decision of an autoscaling policy: at `time` the cluster had `current` replicas
+    (serving + starting) and should have `desired`. `reason` says which rule set the number (a
+    bound or cooldown that held it back included); `inputs` are the figures it was made from."""
+
+    time: float
+    policy: str
+    current: int
+    desired: int
+    reason: str
+    inputs: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def change(self) -> int:
+        """Replicas to start (positive) or drain (negative)."""
+        return self.desired - self.current
