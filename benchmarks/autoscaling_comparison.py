@@ -36,7 +36,7 @@ from pathlib import Path
 from autoscaling.policies import AUTOSCALING_POLICIES, AutoscaleConfig
 from metrics.definitions import SLO, RequestTrace
 from replica.config import EngineConfig
-from sim.autoscaling import simulate_autoscaling, static_replica_seconds
+from sim.autoscaling import AutoscalingSimulator, static_replica_seconds
 from sim.cost_model import FittedCostModel
 from sim.simulator import SimulationConfig, measure_capacity, simulate
 from workloads.capacity import Capacity
@@ -111,7 +111,7 @@ def run_seed(workload: Workload, capacity: Capacity, cost, utilization: float, c
     for policy in AUTOSCALING_POLICIES:
         autoscale = AutoscaleConfig(policy=policy, params=POLICY_PARAMS[policy], **BOUNDS)
         config = SimulationConfig(num_replicas=START_REPLICAS, engine=ENGINE)
-        run = simulate_autoscaling(workload, config, autoscale, cost, capacity, cold_start)
+        run = AutoscalingSimulator(workload, config, autoscale, cost, capacity, cold_start).simulate()
         cells[policy] = cell(run.simulation.traces, run.replica_seconds, run.scale_events, run.peak_replicas)
         print(f"    {policy}: {cells[policy]}", flush=True)
     return cells

@@ -216,9 +216,17 @@ class PrefixAffinity(PredictedLength):
         self.balance_ratio, self.balance_tokens = balance_ratio, balance_tokens
         self.index = PrefixIndex(capacity_blocks)
 
+    def matched(self, request: RouteRequest, views: list[ReplicaView]) -> dict[str, int]:
+        """How many of the prompt's leading blocks each replica holds, as this policy knows it."""
+        return self.index.matched_blocks(request.block_hashes, [v.replica_id for v in views])
+
+    def remember(self, request: RouteRequest, replica_id: str) -> None:
+        """What the index learns from a dispatch: here, that the replica will hold the prompt."""
+        self.index.insert(replica_id, request.block_hashes)
+
     def scores(self, request: RouteRequest, views: list[ReplicaView]) -> list[float]:
         pending = [self.work.score(v) for v in views]  # pending work and the wait for a slot
-        matched = self.index.matched_blocks(request.block_hashes, [v.replica_id for v in views])
+        matched = self.matched(request, views)
         bound = self.balance_ratio * min(pending) + self.balance_tokens
         return [
             p + max(0, request.prompt_len - matched[v.replica_id] * request.block_size) if p <= bound else math.inf
@@ -227,10 +235,10 @@ class PrefixAffinity(PredictedLength):
 
     def dispatched(self, request: RouteRequest, replica_id: str, now: float) -> None:
         super().dispatched(request, replica_id, now)
-        self.index.insert(replica_id, request.block_hashes)
+        self.remember(request, replica_id)
 
 
-class PrecisePrefix(PredictedLength):
+class PrecisePrefix(PrefixAffinity):
     """`prefix_affinity`'s pricing and imbalance guard over what the replicas' caches actually
     hold, as their K/V events report it (`router.block_index.BlockIndex`, which the router keeps
     from the load reports), not what the router's own decisions suggest. Score: prompt tokens
@@ -246,37 +254,25 @@ class PrecisePrefix(PredictedLength):
 
     name = "precise_prefix"
 
-    def __init__(
-        self,
-        seed: int = 0,
-        decode_weight: float = DECODE_WEIGHT,
-        balance_ratio: float = 1.5,
-        balance_tokens: float = 1024.0,
-    ):
-        super().__init__(seed, decode_weight)
-        self.balance_ratio, self.balance_tokens = balance_ratio, balance_tokens
+    def __init__(self, seed: int = 0, **pricing: float):
+        """`pricing`: `prefix_affinity`'s `decode_weight`, `balance_ratio` and `balance_tokens`."""
+        super().__init__(seed, **pricing)
         self.index = BlockIndex()  # until the router attaches its own
         self.in_flight = InFlightBlocks()
-        self._matched: dict[str, int] = {}  # the last scoring's matches, for `dispatched`
+        self._matched: dict[str, int] = {}  # the last scoring's matches, for `remember`
 
     def attach_block_index(self, index: BlockIndex) -> None:
         self.index = index
 
-    def scores(self, request: RouteRequest, views: list[ReplicaView]) -> list[float]:
-        pending = [self.work.score(v) for v in views]  # pending work and the wait for a slot
+    def matched(self, request: RouteRequest, views: list[ReplicaView]) -> dict[str, int]:
         cacheable = _cacheable(request)
         self._matched = self.index.matched_blocks(cacheable, [v.replica_id for v in views])
         for replica_id, n in self.in_flight.matched_blocks(cacheable).items():
             if n > self._matched.get(replica_id, n):  # a replica not in `views` is left out
                 self._matched[replica_id] = n
-        bound = self.balance_ratio * min(pending) + self.balance_tokens
-        return [
-            p + request.prompt_len - self._matched[v.replica_id] * request.block_size if p <= bound else math.inf
-            for v, p in zip(views, pending)
-        ]
+        return self._matched
 
-    def dispatched(self, request: RouteRequest, replica_id: str, now: float) -> None:
-        super().dispatched(request, replica_id, now)
+    def remember(self, request: RouteRequest, replica_id: str) -> None:
         self.index.touch(replica_id, request.block_hashes[: self._matched.get(replica_id, 0)])
         self.in_flight.add(request.request_id, replica_id, _cacheable(request))
 

@@ -90,7 +90,7 @@ class _Window:
 
 class AutoscalingSimulator(Simulator):
     """`AutoscalingSimulator(workload, config, autoscale, cost, capacity).run()`, then
-    `scaling_result(simulation_result)`; `simulate_autoscaling` does both. `capacity` is one
+    `scaling_result(simulation_result)`; `simulate()` does both. `capacity` is one
     replica's (`measure_capacity` with one replica), which `queue_slo` and `predictive` price
     work with."""
 
@@ -212,6 +212,10 @@ class AutoscalingSimulator(Simulator):
             self.router.remove_replica(rid)
 
     # ---- the result ----------------------------------------------------------------------
+    def simulate(self) -> AutoscalingResult:
+        """Run the workload through the autoscaled cluster and account its replica-seconds."""
+        return self.scaling_result(self.run())
+
     def scaling_result(self, result: SimulationResult) -> AutoscalingResult:
         """The run's scaling record; replicas still alive end at the run's end."""
         self._retire_drained()
@@ -235,17 +239,3 @@ def run_end(result: SimulationResult) -> float:
 def static_replica_seconds(result: SimulationResult) -> float:
     """Replica-seconds of a static cluster: every replica from 0 to the run's end."""
     return result.config.num_replicas * run_end(result)
-
-
-def simulate_autoscaling(
-    workload: Workload,
-    config: SimulationConfig,
-    autoscale: AutoscaleConfig,
-    cost: CostModel | None = None,
-    capacity: Capacity | None = None,
-    cold_start_s: float = 10.0,
-    check_invariants: bool = False,
-) -> AutoscalingResult:
-    """Run `workload` through an autoscaled simulated cluster (see the module docstring)."""
-    simulator = AutoscalingSimulator(workload, config, autoscale, cost, capacity, cold_start_s, check_invariants)
-    return simulator.scaling_result(simulator.run())

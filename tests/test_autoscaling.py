@@ -18,7 +18,7 @@ from protocol.registry import UnknownChoiceError
 from protocol.scaling import ArrivalWindow, ScalingObservation
 from replica.config import EngineConfig
 from replica.model.fake import FlatCostModel
-from sim.autoscaling import simulate_autoscaling, static_replica_seconds
+from sim.autoscaling import AutoscalingSimulator, static_replica_seconds
 from sim.simulator import SimulationConfig, measure_capacity, simulate
 from workloads.capacity import Capacity
 from workloads.diurnal import DiurnalArrivals, DiurnalDay
@@ -272,9 +272,9 @@ def test_a_simulated_cluster_follows_a_step_in_load_up_and_back_down():
         policy="predictive", min_replicas=1, max_replicas=8, cooldown_s=5, params={"window_s": 10, "horizon_s": 5}
     )
     workload = step_load()
-    run = simulate_autoscaling(
+    run = AutoscalingSimulator(
         workload, SimulationConfig(num_replicas=1, engine=engine), autoscale, cost, capacity, cold_start_s=3
-    )
+    ).simulate()
     assert all(t.finish_reason == "length" for t in run.simulation.traces)
 
     def replicas_at(t: float) -> int:

@@ -89,14 +89,7 @@ def test_replica_exporter_counts_tokens_latencies_and_goodput_on_a_fake_clock():
     exporter.set_run(7)
     for i in range(3):
         exporter.on_submit(engine.add_request([1, 2, 3, i], {"max_tokens": 5, "ignore_eos": True}, f"q{i}"))
-    while engine.has_unfinished:
-        result = engine.step()
-        for output in result.outputs:
-            if output.finished:
-                exporter.on_finish(output)
-        exporter.on_step(result.record)
-        exporter.on_load(engine.load_report("r0"))
-    exporter.on_load(engine.load_report("r0"))  # idle: the serving loop reports once more, no step between
+    _run_engine(exporter, engine)
     exporter.on_reject("q-bad")
 
     assert recorder.total("generation_tokens_total", run="7") == 15
