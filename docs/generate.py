@@ -328,7 +328,9 @@ def _default(action: argparse.Action) -> str:
         return "required" if action.required else "-"
     if isinstance(action.default, list | tuple):
         return " ".join(map(str, action.default))
-    return str(action.default)
+    # A default inside the checkout (a shipped file) is shown from the repository's root, so the
+    # page reads the same wherever the project was cloned.
+    return str(action.default).replace(f"{ROOT}/", "")
 
 
 def _command(parser: argparse.ArgumentParser, summary: str, level: int) -> list[str]:

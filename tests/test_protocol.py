@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections.abc
 import inspect
+import sys
 import types
 import typing
 from typing import Annotated, Any
@@ -83,7 +84,9 @@ def message_problems(cls: type) -> list[str]:
     for name, method in inspect.getmembers(cls, inspect.isfunction):
         if name.startswith("_"):
             continue
-        hints = typing.get_type_hints(method, include_extras=True)
+        # The class's own module resolves the names: once Ray has started actors of the class, its
+        # tracing wrapper stands in for each method and lives in Ray's module, not ours.
+        hints = typing.get_type_hints(method, vars(sys.modules[cls.__module__]), include_extras=True)
         for param in list(inspect.signature(method).parameters.values())[1:]:
             if param.name == "_ray_trace_ctx":  # added by Ray's tracing wrapper, not ours
                 continue
