@@ -40,7 +40,7 @@ def measure(replicas: int, blocks: int, shared: float) -> dict:
     held = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     ids = [f"r{r}" for r in range(replicas)]
-    prompt = common[:64] if len(common) >= 64 else common
+    prompt = common[:64]
     start, lookups = time.perf_counter(), 200
     for _ in range(lookups):
         index.matched_blocks(prompt, ids)

@@ -87,8 +87,6 @@ def running_cluster(address: str | None) -> bool:
 
 def cluster_spec(args: argparse.Namespace):
     from cluster.deploy import ClusterSpec
-    from replica.config import EngineConfig
-    from replica.serving.loop import ReplicaConfig
 
     engine = EngineConfig(
         model=args.model,

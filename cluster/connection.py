@@ -98,6 +98,9 @@ def unwrap(err: BaseException) -> Exception:
     return err if isinstance(err, SlotServeError) else ClusterError(f"request failed in the cluster: {err}")
 
 
+# Ray's word that an actor is dead or cannot be reached (not: the request itself failed).
+ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
 def actor_gone(err: BaseException) -> bool:
-    """Ray says the actor is dead or cannot be reached (not: the request itself failed)."""
-    return isinstance(err, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
+    return isinstance(err, ACTOR_GONE)

@@ -24,7 +24,7 @@ from typing import Any
 
 import ray
 
-from cluster.connection import ClusterError, actor_gone, router_handle, unwrap
+from cluster.connection import ACTOR_GONE, ClusterError, actor_gone, router_handle, unwrap
 from cluster.local_routing import LocalRouter
 from cluster.loop_thread import LoopThread
 from cluster.streams import Flight, ReplicaFeed, Sink, close_feeds
@@ -74,7 +74,7 @@ class Placer:
                 raise unwrap(err) from None
             except TimeoutError:
                 raise ClusterError(f"the slotserve router did not answer within {timeout:g} s") from None
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
+            except ACTOR_GONE as err:
                 if time.monotonic() > deadline:
                     raise ClusterError(f"the slotserve router is unreachable: {err}") from None
             await asyncio.sleep(delay)
@@ -143,8 +143,6 @@ class Placer:
                 pass  # go on to another replica
             except OverloadedError as err:  # its queue is full
                 await self._wait_for_room(flight, err, patience)
-            except SlotServeError:
-                raise
             except Exception as err:  # noqa: BLE001 - anything else is Ray's: the replica is gone (told in _submit)
                 if not actor_gone(err):
                     raise

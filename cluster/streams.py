@@ -16,6 +16,7 @@ import ray
 
 from cluster.connection import actor_gone, unwrap
 from metrics.definitions import RequestTrace
+from protocol import defaults
 from protocol.finish import FinishReason
 from protocol.messages import MigrationRecord, StreamEvent
 from protocol.replicas import Resume
@@ -103,7 +104,7 @@ class Flight:
     handed_back: bool = False
     # The prompt's chained block hashes (`protocol.blocks`), for prefix-aware routing.
     block_hashes: tuple[int, ...] = ()
-    block_size: int = 16
+    block_size: int = defaults.BLOCK_SIZE
 
     @property
     def request_id(self) -> str:

@@ -232,17 +232,17 @@ def current_cost_model(toml: str) -> str:
     return type(plan_experiment(ROOT / toml, simulate=True, allow_outside_paths=True).cost).__name__
 
 
-def report_status(path: Path) -> tuple[bool, str]:
-    """(current, why): a simulated report is current when it names the cost model class this
-    code simulates with; a run on a Ray cluster is a measurement of its day."""
-    h = report_header(path)
+def report_status(h: dict[str, typing.Any]) -> str:
+    """Whether this code would make the report (its parsed header) again, and why: a simulated
+    report is current when it names the cost model class this code simulates with; a run on a
+    Ray cluster is a measurement of its day."""
     if not h["simulated"]:
         machine = ", ".join(h["machine"].split(", ")[2:])  # past the host name and the platform string
-        return False, f"historical: measured on a Ray cluster ({machine}) on {h['date']}"
+        return f"historical: measured on a Ray cluster ({machine}) on {h['date']}"
     now = current_cost_model(h["toml"])
     if h["cost_model"] == now:
-        return True, f"current: priced by {now}, as this code's --simulate is"
-    return False, (
+        return f"current: priced by {now}, as this code's --simulate is"
+    return (
         f"historical: priced by {h['cost_model'] or 'an unnamed cost model'}; this code's --simulate uses {now}, "
         "so a rerun gives other figures"
     )
@@ -253,7 +253,7 @@ def experiments_index(folder: Path) -> str:
     rows = []
     for report in sorted(folder.glob("*/report.md")):
         h = report_header(report)
-        _, why = report_status(report)
+        why = report_status(h)
         rel = report.relative_to(ROOT).as_posix()
         rows.append([f"`{h['toml']}`", f"`{rel}`", f"{h['date']}, `{h['commit'][:7]}`", h["cluster"], why])
     return table(["experiment file", "report", "made (date, commit)", "cluster", "status"], rows)
@@ -270,8 +270,8 @@ def report_rows(path: Path, columns: list[str], where: dict[str, str]) -> str:
         values = dict(zip(head, (c.strip() for c in line.strip("|").split("|"))))
         if all(values.get(k) == v for k, v in where.items()):
             rows.append([values[c] for c in columns])
-    status = report_status(path)[1]
     made = report_header(path)
+    status = report_status(made)
     intro = f"From `{path.relative_to(ROOT).as_posix()}` ({made['date']}; {status}); rows at " + ", ".join(
         f"{k} {v}" for k, v in where.items()
     )

@@ -39,16 +39,21 @@ def request_row(trace: RequestTrace) -> dict:
     }
 
 
+def _fields(record: StepRecord | Decision) -> dict[str, Any]:
+    """A record's fields by name, not copied (`dataclasses.asdict` would deep-copy its dicts)."""
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+
+
 def step_row(replica_id: str, record: StepRecord, num_slots: int) -> dict:
     """An engine step as a row of the store's `steps` table."""
-    return {"replica_id": replica_id, "num_slots": num_slots, **dataclasses.asdict(record)}
+    return {"replica_id": replica_id, "num_slots": num_slots, **_fields(record)}
 
 
 def decision_row(decision: Decision) -> dict:
     """A routing decision as a row of the store's `decisions` table: dicts as JSON strings, an
     infinite score (a replica power_of_two did not sample) as null."""
     scores = {k: v if math.isfinite(v) else None for k, v in decision.scores.items()}
-    return {**dataclasses.asdict(decision), "scores": json.dumps(scores), "in_flight": json.dumps(decision.in_flight)}
+    return {**_fields(decision), "scores": json.dumps(scores), "in_flight": json.dumps(decision.in_flight)}
 
 
 def record_run(

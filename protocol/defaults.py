@@ -17,6 +17,7 @@ NUM_SLOTS = 8  # K/V cache slots of a replica = most requests running at once
 # K/V tokens one slot holds: room for the longest request of long-prompts (a 480-token prompt
 # and up to 128 output tokens; `slotserve compare`'s default workload) and so of the smaller ones.
 MAX_SEQ_LEN = 640
+BLOCK_SIZE = 16  # `paged`: K/V tokens per block; also the block a prompt's hashes are chained over
 TOKEN_BUDGET = 256  # `chunked`: tokens per step, decodes first, then prefill chunks
 
 MAX_IN_FLIGHT_PER_REPLICA = 512  # the router's bound per replica; past it on every replica: overloaded

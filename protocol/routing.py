@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protocol import defaults
 from protocol.messages import LoadReport
 
 
@@ -20,7 +21,7 @@ class RouteRequest:
     max_tokens: int
     session_id: str | None = None
     block_hashes: tuple[int, ...] = ()
-    block_size: int = 16
+    block_size: int = defaults.BLOCK_SIZE
     moved_from: str | None = None
 
 

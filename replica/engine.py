@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from protocol.clock import Clock, WallClock
-from protocol.messages import LoadReport
+from protocol.messages import KvEvents, LoadReport
 from protocol.records import StepRecord
 from protocol.replicas import Resume
 from replica.config import EngineConfig
@@ -167,6 +167,15 @@ class Engine:
         """Forget the cached prompt prefixes no request holds (paged cache with prefix caching),
         so a measured run does not inherit the hits of the one before; returns blocks forgotten."""
         return self.scheduler.slots.reset_prefix_cache()
+
+    def take_kv_events(self) -> KvEvents | None:
+        """The prefix cache's changes since the last call (`replica.scheduling.kv_events`)."""
+        return self.scheduler.slots.take_kv_events()
+
+    def request_kv_snapshot(self) -> bool:
+        """Make the next `take_kv_events` a snapshot of the whole prefix cache; whether this
+        engine's cache reports K/V events at all."""
+        return self.scheduler.slots.request_kv_snapshot()
 
     def set_arrivals_done(self, done: bool) -> None:
         """Whether more requests may come before one of the running ones ends; with none

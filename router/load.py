@@ -91,6 +91,9 @@ class LoadView:
     def replica_ids(self) -> list[str]:
         return list(self._in_flight)
 
+    def knows(self, replica_id: str) -> bool:
+        return replica_id in self._in_flight
+
     def add_replica(self, replica_id: str) -> None:
         if replica_id in self._in_flight:
             raise RoutingError(f"replica {replica_id!r} is already routed to")
@@ -141,7 +144,7 @@ class LoadView:
     def update(self, report: LoadReport) -> bool:
         """Keep the report unless one taken later is already held (reports can overtake each
         other on the way). Returns whether it was kept."""
-        if report.replica_id not in self._in_flight:
+        if not self.knows(report.replica_id):
             self.unknown_reports += 1  # e.g. a removed replica's last words
             return False
         held = self._reports.get(report.replica_id)

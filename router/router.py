@@ -161,7 +161,7 @@ class Router:
         """A replica's load report; returns whether it was kept (not stale, replica known)."""
         if not isinstance(load, LoadReport):
             raise RoutingError(f"a load report must be a LoadReport, got {type(load).__name__}")
-        if load.kv_events is not None and load.replica_id in self.load.replica_ids:
+        if load.kv_events is not None and self.load.knows(load.replica_id):
             self.block_index.apply(load.replica_id, load.kv_events)  # in batch order, even from a stale report
         return self.load.update(load)
 

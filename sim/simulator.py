@@ -268,7 +268,7 @@ class Simulator:
         load = replica.engine.load_report(replica.replica_id)
         if force or report_due(load, load.time - replica.last_report):
             replica.last_report = load.time
-            self.router.report(with_kv_events(load, replica.engine.scheduler.slots))
+            self.router.report(with_kv_events(load, replica.engine))
 
     def _check_all_ended(self) -> None:
         """Every request ends exactly once; anything else is a stuck policy or a lost request."""

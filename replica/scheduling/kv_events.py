@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from typing import Protocol
 
 from protocol.messages import KvEvents, LoadReport
-from replica.scheduling.slot_table import SlotTable
 
 MAX_EVENTS = 1024  # block changes per report; past it the report carries a snapshot instead
 SNAPSHOT_EVERY = 256  # batches between snapshots sent unasked
@@ -93,8 +93,14 @@ class KvEventBuffer:
             self.request_snapshot()
 
 
-def with_kv_events(load: LoadReport, slots: SlotTable) -> LoadReport:
+class KvEventSource(Protocol):
+    """What holds a prefix cache's changes: an engine, or its slot table."""
+
+    def take_kv_events(self) -> KvEvents | None: ...
+
+
+def with_kv_events(load: LoadReport, source: KvEventSource) -> LoadReport:
     """`load` carrying the prefix cache's changes since the last report sent. Only for a report
     that is sent (the cluster's replica and the simulator throttle alike): taking the changes
     empties the buffer, so a report built and dropped would lose them."""
-    return replace(load, kv_events=slots.take_kv_events())
+    return replace(load, kv_events=source.take_kv_events())

@@ -44,7 +44,7 @@ class SchedulerConfig(BaseModel):
     kv_cache: Literal["slot", "paged"] = Field(
         "slot", description='"slot": each request reserves a max_seq_len row; "paged": blocks taken as it grows'
     )
-    block_size: int = Field(16, gt=0, description="`paged`: K/V tokens per block")
+    block_size: int = Field(defaults.BLOCK_SIZE, gt=0, description="`paged`: K/V tokens per block")
     prefix_caching: bool = Field(False, description="`paged`: requests share the blocks of identical prompt prefixes")
 
     @property

@@ -335,7 +335,7 @@ class ReplicaActor:
         if self.router is None or not report_due(load, now - self._last_report):
             return
         self._last_report = now
-        self.router.report.remote(with_kv_events(load, self.serving.engine.scheduler.slots))
+        self.router.report.remote(with_kv_events(load, self.serving.engine))
 
 
 def _check_arguments(subscriber: Any, prompt: Any, request_id: Any, arrival_time: Any) -> None:

@@ -320,7 +320,7 @@ class AsyncEngine:
             self.engine.reset_prefix_cache()
         if self._kv_snapshot:
             self._kv_snapshot = False
-            self.engine.scheduler.slots.request_kv_snapshot()
+            self.engine.request_kv_snapshot()
         inbox, self._inbox = self._inbox, []
         for item in inbox:
             match item:
