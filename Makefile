@@ -1,5 +1,6 @@
 # Two commands, each setting up what it needs first (idempotent):
-#   make run    a 3-minute routing comparison (round_robin against least_loaded, 4 fake replicas)
+#   make run    a 3-minute routing comparison on kv-pressure (precise_prefix against round_robin
+#               and power_of_two, 4 fake replicas, one seed per round)
 #   make test   the test suite, then the documentation site (mkdocs --strict)
 VENV    ?= .venv
 PYTHON  ?= python3

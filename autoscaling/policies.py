@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, field_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, field_validator, model_validator
 
 from autoscaling.base import AutoscalingPolicy, ScalingBounds
 from autoscaling.forecast import ArrivalHistory
@@ -181,12 +181,20 @@ class AutoscaleConfig(ScalingBounds):
 
     policy: str = Field(description="autoscaling policy (see autoscaling.policies.AUTOSCALING_POLICIES)")
     period_s: PositiveFloat = Field(1.0, description="seconds between two decisions")
+    drain_timeout_s: NonNegativeFloat = Field(
+        30.0, description="a drained replica's running requests get this long to finish, then move"
+    )
     params: dict[str, float] = Field(default_factory=dict, description="the policy's own parameters")
 
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, policy: str) -> str:
         return AUTOSCALING_POLICIES.check(policy)
+
+    @model_validator(mode="after")
+    def _policy_params(self) -> AutoscaleConfig:
+        AUTOSCALING_POLICIES[self.policy].Params(**self.params)  # unknown or out-of-range: refused here
+        return self
 
 
 def make_autoscaling_policy(

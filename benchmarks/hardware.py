@@ -131,7 +131,7 @@ def _use(runner: ModelRunner, model: Decoder):
     return lambda: setattr(runner, "model", model)
 
 
-def _decode_engine(runner: ModelRunner, batch: int, steps: int, scattered: bool = False) -> Engine:
+def decode_engine(runner: ModelRunner, batch: int, steps: int, scattered: bool = False) -> Engine:
     """An engine on `runner` with `batch` requests decoding (prefilled already); `scattered`: they
     hold slots spread over the runner's whole cache, as the last requests of a big batch do."""
     slots = runner.cache.num_slots if scattered else batch
@@ -148,7 +148,7 @@ def _decode_engine(runner: ModelRunner, batch: int, steps: int, scattered: bool 
     return engine
 
 
-def _drain(engine: Engine) -> None:
+def drain(engine: Engine) -> None:
     for rid in list(engine.requests):
         engine.abort(rid)
     while engine.has_unfinished:
@@ -161,14 +161,14 @@ def switched(runner: ModelRunner, reps: int, steps: int, what: str, without: Dec
     own model after."""
     own, rows = runner.model, []
     for batch, scattered in cases:
-        engine = _decode_engine(runner, batch, steps, scattered=scattered)
+        engine = decode_engine(runner, batch, steps, scattered=scattered)
         t = in_turns(
             {"off": _with(_use(runner, without), engine.step), "on": _with(_use(runner, own), engine.step)}, reps
         )
         runner.model = own
         where = f"B={batch} in {runner.cache.num_slots} slots" if scattered else f"B={batch}"
         rows.append({"what": f"{what} (decode step, {where})", "without": t["off"], "with": t["on"]})
-        _drain(engine)
+        drain(engine)
     return rows
 
 
@@ -177,11 +177,11 @@ def two_runners(without: ModelRunner, with_: ModelRunner, reps: int, steps: int,
     in turns, for each (batch, scattered) case."""
     rows = []
     for batch, scattered in cases:
-        a, b = _decode_engine(without, batch, steps, scattered), _decode_engine(with_, batch, steps, scattered)
+        a, b = decode_engine(without, batch, steps, scattered), decode_engine(with_, batch, steps, scattered)
         t = in_turns({"without": a.step, "with": b.step}, reps)
         where = f"B={batch} in {without.cache.num_slots} slots" if scattered else f"B={batch}"
         rows.append({"what": f"{what} (decode step, {where})", **t})
-        _drain(a), _drain(b)
+        drain(a), drain(b)
     return rows
 
 
@@ -226,10 +226,10 @@ def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
         )
         del fp32
     plain = Decoder.from_hf(hf, dtype, "cpu", pack_weights=False)
-    int8 = Decoder.from_hf(hf, dtype, "cpu", int8_rows=64)
+    int8 = Decoder.from_hf(hf, dtype, "cpu", int8_rows=64, measure_int8=False)  # int8 at every batch measured
     packed = runner.model
     for batch in (1, 8, 64):
-        engine = _decode_engine(runner, batch, steps)
+        engine = decode_engine(runner, batch, steps)
         t = in_turns(
             {"plain": _with(_use(runner, plain), engine.step), "packed": _with(_use(runner, packed), engine.step)}, reps
         )
@@ -253,9 +253,9 @@ def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
             )
             torch.set_num_threads(threads)
         runner.model = packed
-        _drain(engine)
+        drain(engine)
     for batch in (1, 4, 8, 16):
-        engine = _decode_engine(runner, batch, steps)
+        engine = decode_engine(runner, batch, steps)
         t = in_turns(
             {"dense": _with(_use(runner, packed), engine.step), "int8": _with(_use(runner, int8), engine.step)}, reps
         )
@@ -263,7 +263,7 @@ def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
             {"what": f"weight-only int8 copies (decode step, B={batch})", "without": t["dense"], "with": t["int8"]}
         )
         runner.model = packed
-        _drain(engine)
+        drain(engine)
     rows += kernels(runner, hf, reps, steps)
     # SDPA's layouts (the decode kernel needs none), on a runner that never gathers and on one that does
     sdpa = EngineConfig(model=MODEL, dtype=runner.dtype, num_slots=64, max_seq_len=256, decode_kernel=False)

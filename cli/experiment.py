@@ -25,15 +25,16 @@ def _command(args: argparse.Namespace) -> str:
     for flag, value in (("--store", args.store), ("--out", args.out), ("--address", args.address)):
         if value is not None and not (flag == "--store" and value == DEFAULT_STORE):
             words += [flag, str(value)]
-    if args.seeds:
-        words += ["--seeds", *map(str, args.seeds)]
+    for flag, values in (("--seeds", args.seeds), ("--loads", args.loads)):
+        if values:
+            words += [flag, *map(str, values)]
     words += ["--allow-outside-paths"] * args.allow_outside_paths
     return shlex.join(words)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        plan = plan_experiment(args.file, args.seeds, args.simulate, args.allow_outside_paths)
+        plan = plan_experiment(args.file, args.seeds, args.simulate, args.allow_outside_paths, args.loads)
         if plan.skipped:
             print(
                 f"{args.file}: {plan.skipped} cells routed by Ray Serve's routers left out: they run on a Ray cluster"
@@ -140,6 +141,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="Ray cluster HOST:PORT (default: the one `ray start` made on this machine, else a local one)",
     )
     p.add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED", help="replace the file's sweep.seeds")
+    p.add_argument(
+        "--loads",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="LOAD",
+        help="replace the file's sweep.load (multiples of the measured capacity), e.g. to rerun one load",
+    )
     p.add_argument("--dry-run", action="store_true", help="check the file and list its cells; run nothing")
     p.add_argument(
         "--allow-outside-paths",

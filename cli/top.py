@@ -4,6 +4,8 @@ tokens/s, refreshed in place, for users with neither Grafana nor Prometheus.
 Occupancy, queue and running requests are the router's live view (each replica's last load
 report, and the requests the router has in flight there); K/V use and the token counter come
 from each replica's own telemetry (`info()`), tokens/s from the counter's change between frames.
+An autoscaled cluster's frame also shows each replica's state and the last scaling decision;
+its replicas are looked up again every frame, as they come and go.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import time
 from dataclasses import dataclass
 
 from cli import common
+from cli.status import autoscaler_lines, replica_states
 from protocol.replicas import ReplicaInfo
+from protocol.scaling import AutoscalerStatus
 
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: each frame replaces the last
 ALT_SCREEN_ON, ALT_SCREEN_OFF = "\x1b[?1049h", "\x1b[?1049l"
@@ -25,6 +29,7 @@ BAR = 20
 @dataclass
 class ReplicaLine:
     replica: str
+    state: str  # starting, serving or draining
     running: int
     slots: int
     queue: int
@@ -34,9 +39,12 @@ class ReplicaLine:
     report_age: float | None
 
 
-def replica_lines(status: dict, infos: list[ReplicaInfo]) -> list[ReplicaLine]:
-    """The router's view of each replica, joined with the replica's own counters."""
+def replica_lines(
+    status: dict, infos: list[ReplicaInfo], autoscaler: AutoscalerStatus | None = None
+) -> list[ReplicaLine]:
+    """The router's view of each replica, joined with the replica's own counters and state."""
     by_id = {info.replica_id: info for info in infos}
+    states = replica_states(status, autoscaler)
     lines = []
     for replica, view in sorted(status["replicas"].items()):
         report = view["report"] or {}
@@ -44,6 +52,7 @@ def replica_lines(status: dict, infos: list[ReplicaInfo]) -> list[ReplicaLine]:
         lines.append(
             ReplicaLine(
                 replica,
+                states.get(replica, "-"),
                 report.get("running", 0),
                 report.get("num_slots", 0),
                 report.get("queue_depth", 0),
@@ -61,15 +70,22 @@ def _bar(share: float) -> str:
     return "[" + "#" * filled + "." * (BAR - filled) + "]"
 
 
-def frame(policy: str, lines: list[ReplicaLine], rates: dict[str, float], interval: float) -> list[str]:
-    """One screen: a header, a line per replica and the cluster's totals."""
+def frame(
+    policy: str,
+    lines: list[ReplicaLine],
+    rates: dict[str, float],
+    interval: float,
+    autoscaler: AutoscalerStatus | None = None,
+) -> list[str]:
+    """One screen: a header (with the autoscaler's lines), a line per replica and the totals."""
     head = (
-        f"{'replica':<12} {'occupancy':<{BAR + 7}} {'slots':>7} {'queue':>6} {'in flight':>10} "
+        f"{'replica':<12} {'state':<9} {'occupancy':<{BAR + 7}} {'slots':>7} {'queue':>6} {'in flight':>10} "
         f"{'K/V used':>9} {'tok/s':>8} {'report age':>11}"
     )
     out = [
         f"slotserve top  {time.strftime('%H:%M:%S')}  routing: {policy}  replicas: {len(lines)}  "
         f"(every {interval:g} s; Ctrl-C quits)",
+        *autoscaler_lines(autoscaler),
         "",
         head,
         "-" * len(head),
@@ -80,7 +96,8 @@ def frame(policy: str, lines: list[ReplicaLine], rates: dict[str, float], interv
         rate = f"{rates[line.replica]:.1f}" if line.replica in rates else "-"
         age = "-" if line.report_age is None else f"{line.report_age * 1000:.0f} ms"
         out.append(
-            f"{line.replica:<12} {_bar(share)} {share:>4.0%} {f'{line.running}/{line.slots}':>7} {line.queue:>6} "
+            f"{line.replica:<12} {line.state:<9} {_bar(share)} {share:>4.0%} "
+            f"{f'{line.running}/{line.slots}':>7} {line.queue:>6} "
             f"{line.in_flight:>10} {kv:>9} {rate:>8} {age:>11}"
         )
     running, slots = sum(x.running for x in lines), sum(x.slots for x in lines)
@@ -88,7 +105,8 @@ def frame(policy: str, lines: list[ReplicaLine], rates: dict[str, float], interv
     total = f"{sum(rates.values()):.1f}" if rates else "-"
     out.append("-" * len(head))
     out.append(
-        f"{'cluster':<12} {_bar(share)} {share:>4.0%} {f'{running}/{slots}':>7} {sum(x.queue for x in lines):>6} "
+        f"{'cluster':<12} {'':<9} {_bar(share)} {share:>4.0%} {f'{running}/{slots}':>7} "
+        f"{sum(x.queue for x in lines):>6} "
         f"{sum(x.in_flight for x in lines):>10} {'':>9} {total:>8}"
     )
     return out
@@ -97,11 +115,11 @@ def frame(policy: str, lines: list[ReplicaLine], rates: dict[str, float], interv
 def run(args: argparse.Namespace) -> int:
     import ray
 
+    from cluster.autoscaler import autoscaler_status
     from cluster.client import connect, router_handle
 
     connect(args.address)
     router = router_handle()
-    handles = ray.get(router.replicas.remote(), timeout=60)
     live = sys.stdout.isatty()
     if live:
         sys.stdout.write(ALT_SCREEN_ON + HIDE_CURSOR)
@@ -110,16 +128,20 @@ def run(args: argparse.Namespace) -> int:
     try:
         while args.count is None or shown < args.count:
             status = ray.get(router.status.remote(), timeout=30)
-            infos = ray.get([h.info.remote() for h in handles.values()], timeout=30)
+            handles = ray.get(router.replicas.remote(), timeout=30)
+            infos = _infos(list(handles.values()))
+            autoscaler = autoscaler_status()
             now = time.monotonic()
-            lines = replica_lines(status, infos)
+            lines = replica_lines(status, infos, autoscaler)
             rates = {
                 x.replica: (x.tokens - previous[x.replica][1]) / (now - previous[x.replica][0])
                 for x in lines
                 if x.tokens is not None and x.replica in previous
             }
             previous = {x.replica: (now, x.tokens) for x in lines if x.tokens is not None}
-            sys.stdout.write((CLEAR if live else "") + "\n".join(frame(status["policy"], lines, rates, args.interval)))
+            sys.stdout.write(
+                (CLEAR if live else "") + "\n".join(frame(status["policy"], lines, rates, args.interval, autoscaler))
+            )
             sys.stdout.write("\n")
             sys.stdout.flush()
             shown += 1
@@ -132,6 +154,21 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(SHOW_CURSOR + ALT_SCREEN_OFF)
             sys.stdout.flush()
     return 0
+
+
+def _infos(handles: list) -> list[ReplicaInfo]:
+    """The replicas' infos; one that is gone (drained, or restarting) is left out of this frame."""
+    import ray
+
+    refs = [h.info.remote() for h in handles]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=30)
+    infos = []
+    for ref in ready:
+        try:
+            infos.append(ray.get(ref))
+        except ray.exceptions.RayError:
+            continue
+    return infos
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -10,7 +10,8 @@ restart without limit, the router watches replica health every `health_period`. 
 that asks for more CPUs or GPUs than Ray has is refused at once instead of waiting on a
 pending actor; one whose router died is recovered by `up` (live replicas and store kept). A
 replica leaves by draining: no new requests, running ones finish within a timeout, the rest
-move to other replicas."""
+move to other replicas. With `ClusterSpec.autoscale` a controller actor beside the router
+(`cluster.autoscaler`) starts and drains replicas the same ways as the traffic changes."""
 
 from __future__ import annotations
 
@@ -19,12 +20,16 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from autoscaling.policies import AUTOSCALING_POLICIES, AutoscaleConfig
+from cluster.autoscaler import AUTOSCALER_ACTOR_NAME, AutoscalerActor, autoscaler_status
 from cluster.connection import NAMESPACE, ClusterError, connect, router_handle, use_token_auth
 from cluster.prometheus_exporters import replica_telemetry, router_telemetry
 from cluster.store_actor import STORE_ACTOR_NAME, StoreActor
@@ -33,10 +38,14 @@ from metrics.live import EXPORT_INTERVAL_MS
 from metrics.store import DEFAULT_STORE
 from protocol import defaults
 from protocol.replicas import ReplicaInfo, Unreachable
+from replica.model.fake import DEFAULT_KV_BYTES_PER_TOKEN
 from replica.serving.actor import ReplicaActor
 from replica.serving.loop import ReplicaConfig
 from router.actor import ROUTER_ACTOR_NAME, RouterActor
+from router.pd_decider import PD_DECIDERS
+from router.pd_router import PdPools
 from router.policies import ROUTING_POLICIES
+from workloads.capacity import Capacity
 
 REPLICA_PREFIX = "slotserve-replica-"
 # The replicas and the router export their live metrics at the rate the dashboards assume,
@@ -71,6 +80,98 @@ class ClusterSpec(BaseModel):
         return ROUTING_POLICIES.check(name)
 
     slo: SLO = Field(default_factory=SLO, description="the SLO the live goodput metrics count against")
+    cost_scales: list[float] | None = Field(
+        None,
+        description="fake replicas of different speeds: replica i's step times x cost_scales[i] "
+        "(repeating past the list, for replicas an autoscaler adds)",
+    )
+    autoscale: AutoscaleConfig | None = Field(
+        None, description="grow and shrink the replicas with the traffic (cluster.autoscaler), from num_replicas"
+    )
+    replica_capacity: Capacity | None = Field(
+        None, description="one replica's tokens/s, which the autoscaling policies that price work need"
+    )
+    prefill_replicas: int = Field(
+        0, ge=0, description="replicas in the prefill role (with decode_replicas: num_replicas is their sum)"
+    )
+    decode_replicas: int = Field(0, ge=0, description="replicas in the decode role")
+    pd_decider: str = Field("threshold", description="P/D decider: which requests are disaggregated")
+    pd_threshold: int = Field(
+        256, ge=0, description="uncached prompt tokens from which the P/D decider disaggregates a request"
+    )
+
+    @field_validator("pd_decider")
+    @classmethod
+    def _known_decider(cls, name: str) -> str:
+        return PD_DECIDERS.check(name)
+
+    def role(self, index: int) -> str:
+        """Replica `replica-{index}`'s role: the first `prefill_replicas` prefill, the next
+        `decode_replicas` decode; mixed without roles (and past them)."""
+        if index < self.prefill_replicas:
+            return "prefill"
+        return "decode" if index < self.prefill_replicas + self.decode_replicas else "mixed"
+
+    def pd_pools(self) -> PdPools | None:
+        """The router's two pools (None: one pool of mixed replicas)."""
+        if not self.prefill_replicas:
+            return None
+        roles = {f"replica-{i}": self.role(i) for i in range(self.num_replicas)}
+        # A fake's K/V are priced at the default model's per-token size, and so is a real model's.
+        return PdPools(roles, self.pd_decider, self.pd_threshold, DEFAULT_KV_BYTES_PER_TOKEN)
+
+    @model_validator(mode="after")
+    def _pools_fit(self) -> ClusterSpec:
+        pools = self.prefill_replicas + self.decode_replicas
+        if not pools:
+            return self
+        if not (self.prefill_replicas and self.decode_replicas):
+            raise ValueError(
+                f"give both prefill_replicas and decode_replicas, or neither; got {self.prefill_replicas} "
+                f"prefill and {self.decode_replicas} decode"
+            )
+        if "num_replicas" in self.model_fields_set and self.num_replicas != pools:
+            raise ValueError(f"num_replicas {self.num_replicas} must be prefill_replicas + decode_replicas = {pools}")
+        if self.autoscale is not None:
+            raise ValueError("autoscaling scales one pool of mixed replicas: give no prefill/decode replicas with it")
+        self.num_replicas = pools
+        return self
+
+    def replica_config(self, index: int) -> ReplicaConfig:
+        """What replica `replica-{index}` is started with: `replica`, in its role, at its cost scale."""
+        r = self.replica
+        if self.role(index) != r.role:
+            r = r.model_copy(update={"role": self.role(index)})
+        if self.cost_scales is None:
+            return r
+        scale = self.cost_scales[index % len(self.cost_scales)]
+        if r.fake_cost is not None:
+            return r.model_copy(update={"fake_cost": r.fake_cost.scaled(scale)})
+        return r.model_copy(update={"fake_step_seconds": r.fake_step_seconds * scale})
+
+    @model_validator(mode="after")
+    def _scales_for_fakes(self) -> ClusterSpec:
+        if self.cost_scales is not None and not self.replica.fake:
+            raise ValueError(
+                "cost_scales sets fake replicas' speeds: give a fake model (fake_cost or fake_step_seconds)"
+            )
+        if self.cost_scales is not None and (not self.cost_scales or min(self.cost_scales) <= 0):
+            raise ValueError(f"cost_scales must be positive numbers, one per replica; got {self.cost_scales}")
+        return self
+
+    @model_validator(mode="after")
+    def _autoscale_fits(self) -> ClusterSpec:
+        a = self.autoscale
+        if a is None:
+            return self
+        if not a.min_replicas <= self.num_replicas <= a.max_replicas:
+            raise ValueError(
+                f"num_replicas {self.num_replicas} must lie within the autoscaling bounds "
+                f"[{a.min_replicas}, {a.max_replicas}]"
+            )
+        if AUTOSCALING_POLICIES[a.policy].needs_capacity and self.replica_capacity is None:
+            raise ValueError(f"autoscaling policy {a.policy!r} prices work: give replica_capacity (one replica's)")
+        return self
 
 
 @dataclass
@@ -171,22 +272,12 @@ def start_cluster(spec: ClusterSpec, detached: bool = False) -> Deployment:
     ).remote(str(Path(spec.store_path).resolve()))
     replicas = {}
     for i in range(spec.num_replicas):
-        name = f"{REPLICA_PREFIX}{i}"
-        kept = leftovers.pop(name, None)
-        if kept is not None and not _same_config(kept, spec):
+        kept = leftovers.pop(f"{REPLICA_PREFIX}{i}", None)
+        if kept is not None and not _same_config(kept, spec, i):
             ray.kill(kept)
             kept = None
-        replicas[f"replica-{i}"] = kept or ReplicaActor.options(
-            name=name,
-            namespace=NAMESPACE,
-            **lifetime,
-            num_cpus=spec.num_cpus_per_replica,
-            num_gpus=spec.num_gpus_per_replica,
-            max_restarts=spec.replica_max_restarts,
-            scheduling_strategy="SPREAD",
-            runtime_env=METRICS_RUNTIME_ENV,
-        ).remote(f"replica-{i}", spec.replica.model_dump(), replica_telemetry(spec.replica, spec.slo))
-    for extra in leftovers.values():  # replicas beyond this spec's count
+        replicas[f"replica-{i}"] = kept or start_replica(spec, i, detached)
+    for extra in leftovers.values():  # replicas beyond this spec's count (and an old autoscaler)
         ray.kill(extra)
     router = RouterActor.options(
         name=ROUTER_ACTOR_NAME,
@@ -206,21 +297,56 @@ def start_cluster(spec: ClusterSpec, detached: bool = False) -> Deployment:
         max_in_flight=spec.max_in_flight,
         health_period=spec.health_period,
         telemetry=router_telemetry(),
+        pools=spec.pd_pools(),
     )
     try:
         ray.get([r.attach.remote(router, store) for r in replicas.values()], timeout=READY_TIMEOUT)
     except ray.exceptions.RayError as err:
         stop_cluster(drain_timeout=0)
         raise ClusterError(f"replicas failed to start: {err}") from None
+    owned = {ROUTER_ACTOR_NAME: router, STORE_ACTOR_NAME: store, **replicas}
+    if spec.autoscale is not None:
+        owned[AUTOSCALER_ACTOR_NAME] = AutoscalerActor.options(
+            name=AUTOSCALER_ACTOR_NAME,
+            namespace=NAMESPACE,
+            **lifetime,
+            max_restarts=-1,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+            runtime_env=METRICS_RUNTIME_ENV,
+        ).remote(
+            spec.autoscale,
+            spec.replica_capacity,
+            partial(start_replica, spec, detached=detached),
+            drain_replicas,
+            ROUTER_ACTOR_NAME,
+            STORE_ACTOR_NAME,
+            REPLICA_PREFIX,
+        )
     if not detached:
         _owned.clear()
-        _owned.update({ROUTER_ACTOR_NAME: router, STORE_ACTOR_NAME: store, **replicas})
+        _owned.update(owned)
     return Deployment(router, replicas, store)
 
 
-def _same_config(replica, spec: ClusterSpec) -> bool:
+def start_replica(spec: ClusterSpec, index: int, detached: bool) -> ActorHandle:
+    """Start replica `replica-{index}` (actor `slotserve-replica-{index}`) of `spec`: how
+    `start_cluster` starts its replicas and the autoscaler every one it adds. Returns at once:
+    the actor answers once placed (a pending one waits for Ray to find or add room) and loaded."""
+    return ReplicaActor.options(
+        name=f"{REPLICA_PREFIX}{index}",
+        namespace=NAMESPACE,
+        **({"lifetime": "detached"} if detached else {}),
+        num_cpus=spec.num_cpus_per_replica,
+        num_gpus=spec.num_gpus_per_replica,
+        max_restarts=spec.replica_max_restarts,
+        scheduling_strategy="SPREAD",
+        runtime_env=METRICS_RUNTIME_ENV,
+    ).remote(f"replica-{index}", spec.replica_config(index).model_dump(), replica_telemetry(spec.replica, spec.slo))
+
+
+def _same_config(replica, spec: ClusterSpec, index: int) -> bool:
     try:
-        return ray.get(replica.info.remote(), timeout=30).config == spec.replica.model_dump()
+        return ray.get(replica.info.remote(), timeout=30).config == spec.replica_config(index).model_dump()
     except ray.exceptions.RayError:
         return False
 
@@ -271,6 +397,8 @@ def stop_cluster(drain_timeout: float = 0.0) -> list[str]:
     up), and the requests they hold get that long to finish (with no replica left to move to,
     what is still running then ends with an error)."""
     actors = _leftovers()
+    if AUTOSCALER_ACTOR_NAME in actors:  # first, so it starts and drains nothing more meanwhile
+        ray.kill(actors.pop(AUTOSCALER_ACTOR_NAME))
     replicas = {
         f"replica-{name.removeprefix(REPLICA_PREFIX)}": handle
         for name, handle in actors.items()
@@ -284,8 +412,9 @@ def stop_cluster(drain_timeout: float = 0.0) -> list[str]:
 
 
 def cluster_status(timeout: float = 10.0) -> dict:
-    """The router's status and each replica's info; a replica that is dead or does not answer
-    within `timeout` is listed as Unreachable instead of failing the whole status."""
+    """The router's status, each replica's info and the autoscaler's status (None when not
+    autoscaled); a replica that is dead or does not answer within `timeout` is listed as
+    Unreachable instead of failing the whole status."""
     cluster = find_cluster()
     refs = {replica_id: handle.info.remote() for replica_id, handle in cluster.replicas.items()}
     ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
@@ -299,4 +428,8 @@ def cluster_status(timeout: float = 10.0) -> dict:
         except ray.exceptions.RayError as err:
             why = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
             infos.append(Unreachable(replica_id, why, time.time()))
-    return {"router": ray.get(cluster.router.status.remote(), timeout=60), "replicas": infos}
+    return {
+        "router": ray.get(cluster.router.status.remote(), timeout=60),
+        "replicas": infos,
+        "autoscaler": autoscaler_status(timeout),
+    }

@@ -148,6 +148,7 @@ class Placer:
                     raise
             else:
                 if not flight.settle():
+                    flight.handover_from = None  # taken (or computed again) there
                     return
             moved_from = replica_id  # refused, gone, its stream broke meanwhile, or it was handed back
 
@@ -168,6 +169,7 @@ class Placer:
     async def _submit(self, flight: Flight, replica_id: str) -> None:
         """Submit to the replica (on its feed first, so no event is missed). A replica that is
         gone is told to the router; its error, or a replica's typed refusal, is raised."""
+        sender = None if flight.handover_from is None else self.replicas.get(flight.handover_from)
         await self._feed(replica_id, flight)
         ref = self.replicas[replica_id].submit.remote(
             self.subscriber,
@@ -176,9 +178,10 @@ class Placer:
             flight.request_id,
             flight.result.arrival,
             flight.resume(),
+            sender,
         )
         try:
-            await asyncio.wait_for(ref, SUBMIT_TIMEOUT)
+            flight.kv_fetch = await asyncio.wait_for(ref, SUBMIT_TIMEOUT)
         except Exception as err:
             self.unfeed(flight)
             if actor_gone(err):
@@ -248,13 +251,22 @@ class Placer:
         await asyncio.gather(*[self._move(flight, from_replica, reason) for flight in flights])
 
     async def _move(self, flight: Flight, from_replica: str, reason: str) -> None:
-        """One request moved; if no replica takes it, it ends with an error event naming why."""
+        """One request moved; if no replica takes it, it ends with an error event naming why. A
+        hand-over (prefill/decode disaggregation) is the request's plan, not a failed placement:
+        it takes none of its MAX_ATTEMPTS."""
         carried = len(flight.token_ids)
+        if flight.handover_from is not None:
+            flight.attempts -= 1
+        flight.kv_fetch = None
         try:
             await self.place(flight, from_replica)
             to = flight.replica_id
         except Exception as err:  # noqa: BLE001 - whatever refused it, its caller hears why
             flight.end(from_replica, f"{reason}; not resumed: {unwrap(err)}")
             to = None
-        record = MigrationRecord(flight.request_id, from_replica, to, carried, reason, time.time())
+        fetch = flight.kv_fetch
+        kv = {} if fetch is None else {"kv_bytes": fetch.nbytes, "kv_seconds": fetch.seconds}
+        if fetch is not None and fetch.fallback is not None:
+            reason = f"{reason}; K/V computed again: {fetch.fallback}"
+        record = MigrationRecord(flight.request_id, from_replica, to, carried, reason, time.time(), **kv)
         flight.result.migrations.append(record)

@@ -29,7 +29,9 @@ import ray
 from metrics.definitions import SLO, RequestTrace
 from metrics.live import METRICS, NO_RUN, PROBE_RUN, LiveMetric, is_probe
 from protocol.errors import SlotServeError
+from protocol.handover import KvFetch
 from protocol.routing import RouteRequest
+from protocol.scaling import ColdStart, ScalingDecision
 from protocol.telemetry_hooks import ReplicaTelemetry, RouterTelemetry
 from replica.engine import Engine, RequestOutput, StepRecord
 from replica.scheduling.request import FinishReason, Request
@@ -79,9 +81,14 @@ class _Series:
         self._metric[name].set(value, tags=tags)
 
 
-def _names(labels_kind: str) -> list[str]:
+_OWN_PREFIX = {"router": "router_", "autoscaler": "autoscaler_"}  # the rest is a replica's
+
+
+def _names(kind: str) -> list[str]:
     short = [name.removeprefix("slotserve_") for name in METRICS]
-    return [n for n in short if n.startswith("router_") == (labels_kind == "router")]
+    if kind in _OWN_PREFIX:
+        return [n for n in short if n.startswith(_OWN_PREFIX[kind])]
+    return [n for n in short if not n.startswith(tuple(_OWN_PREFIX.values()))]
 
 
 @dataclass
@@ -200,6 +207,12 @@ class ReplicaExporter(ReplicaTelemetry):
             if not self._probes:
                 self._label_run(self._run)
 
+    def on_handover(self, fetch: KvFetch) -> None:
+        tags = self._run_tags
+        self.series.inc("kv_handovers_total", 1, self._with("outcome", "kv" if fetch.fallback is None else "recompute"))
+        self.series.inc("kv_handover_bytes_total", fetch.nbytes, tags)
+        self.series.observe("kv_handover_seconds", fetch.seconds, tags)
+
     def on_load(self, load: Any) -> None:
         # Right after a step, its slots say what the replica was doing: a request that ended
         # in the step held its slot through it and is gone by its end, while the next ones
@@ -296,6 +309,29 @@ class RouterExporter(RouterTelemetry):
         if decision.signal_age is not None:
             self.series.observe("router_signal_age_seconds", decision.signal_age, tags)
         return decision
+
+
+class AutoscalerExporter:
+    """The autoscaling controller's metrics (`cluster.autoscaler`): its replicas by state, set
+    every decision period; each decision counted by direction; each started replica's cold start."""
+
+    def __init__(self, policy: str):
+        self.policy = policy
+        self.series = _Series(_names("autoscaler"))
+
+    def _tags(self, run_id: int | None, **extra: str) -> dict[str, str]:
+        return {"autoscaling_policy": self.policy, "run": NO_RUN if run_id is None else str(run_id), **extra}
+
+    def set_replicas(self, by_state: dict[str, int]) -> None:
+        for state, count in by_state.items():
+            self.series.set("autoscaler_replicas", count, {"autoscaling_policy": self.policy, "state": state})
+
+    def on_decision(self, decision: ScalingDecision, run_id: int | None) -> None:
+        direction = "up" if decision.change > 0 else "down" if decision.change < 0 else "hold"
+        self.series.inc("autoscaler_decisions_total", 1, self._tags(run_id, direction=direction))
+
+    def on_cold_start(self, cold: ColdStart, run_id: int | None) -> None:
+        self.series.observe("autoscaler_cold_start_seconds", cold.ready_s, self._tags(run_id))
 
 
 def model_label(config: ReplicaConfig) -> str:

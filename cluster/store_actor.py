@@ -16,6 +16,7 @@ from metrics.recording import decision_row, step_row
 from metrics.store import open_store
 from protocol.messages import MigrationRecord
 from protocol.records import Decision, JsonObject, StepRecord
+from protocol.scaling import ColdStart, ScalingDecision
 
 STORE_ACTOR_NAME = "slotserve-store"
 
@@ -58,6 +59,11 @@ class StoreActor:
         """`MigrationRecord`s (protocol.messages) of the run's requests."""
         self.store.add_migrations(run_id, [dataclasses.asdict(r) for r in records])
 
+    def add_scaling_records(self, run_id: int, decisions: list[ScalingDecision], cold_starts: list[ColdStart]) -> None:
+        """The autoscaling controller's decisions and the cold starts of the replicas it started."""
+        self.store.add_scaling(run_id, [dataclasses.asdict(d) for d in decisions])
+        self.store.add_cold_starts(run_id, [dataclasses.asdict(c) for c in cold_starts])
+
     # Reads return the store's rows as stored (JSON objects keyed by column).
     def migrations(self, run_id: int) -> list[JsonObject]:
         return self.store.migrations(run_id)
@@ -76,3 +82,9 @@ class StoreActor:
 
     def decisions(self, run_id: int) -> list[JsonObject]:
         return self.store.decisions(run_id)
+
+    def scaling(self, run_id: int) -> list[JsonObject]:
+        return self.store.scaling(run_id)
+
+    def cold_starts(self, run_id: int) -> list[JsonObject]:
+        return self.store.cold_starts(run_id)

@@ -18,6 +18,7 @@ from cluster.connection import actor_gone, unwrap
 from metrics.definitions import RequestTrace
 from protocol import defaults
 from protocol.finish import FinishReason
+from protocol.handover import KvFetch
 from protocol.messages import MigrationRecord, StreamEvent
 from protocol.replicas import Resume
 from protocol.routing import RouteRequest
@@ -105,6 +106,10 @@ class Flight:
     # The prompt's chained block hashes (`protocol.blocks`), for prefix-aware routing.
     block_hashes: tuple[int, ...] = ()
     block_size: int = defaults.BLOCK_SIZE
+    # The replica that handed it over and holds its K/V for the next one to fetch (prefill/decode
+    # disaggregation), until a replica accepts it; and what that replica's fetch came to.
+    handover_from: str | None = None
+    kv_fetch: KvFetch | None = None
 
     @property
     def request_id(self) -> str:
@@ -215,7 +220,8 @@ class ReplicaFeed:
                 with self.lock:
                     self.flights.pop(event.request_id, None)
                     if event.finish_reason == FinishReason.MIGRATE:  # handed back: it goes on elsewhere
-                        why = event.error or why
+                        why = event.error or ("handed over with its K/V" if event.handed_over else why)
+                        flight.handover_from = self._replica_id if event.handed_over else None
                         if flight.placing:
                             flight.handed_back = True  # its placer moves it
                         else:

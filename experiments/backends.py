@@ -140,6 +140,7 @@ class SimulatedBackend:
             engine=self.plan.engine_config(cell),
             routing_policy=routing,
             seed=seed,
+            cost_scales=self.plan.experiment.cluster.cost_scales,
         )
 
     def capacity(self, cell: Cell) -> Capacity:
@@ -201,6 +202,7 @@ class RayBackend:
                 num_cpus_per_replica=c.num_cpus,
                 num_gpus_per_replica=c.num_gpus,
                 store_path=str(self.store_path),
+                cost_scales=c.cost_scales,
             )
             self.deployment, self.deployed = start_cluster(spec), cell.deployment
         return self.deployment

@@ -35,7 +35,11 @@ METRICS: list[tuple[str, str, Callable[[dict], float | None], str]] = [
     ("prefix_hit_rate", "prefix hit %", lambda c: _pct(c["prefix_hit_rate"]), "{:.1f}"),
     ("imbalance", "imbalance", lambda c: c["imbalance"]["output_tokens"], "{:.2f}"),
     ("regret", "regret s", lambda c: c["regret"]["mean"], "{:.3f}"),
+    ("ttft_mape", "TTFT pred MAPE %", lambda c: _pct(c["ttft_prediction"]["mape"]), "{:.1f}"),
+    ("index_staleness", "index stale %", lambda c: _pct(c["index_staleness"]["staleness"]), "{:.1f}"),
 ]
+# shown only where a policy of the table predicts TTFT, or believes what the replicas' caches hold
+PREDICTIONS = {"ttft_mape", "index_staleness"}
 SPREAD_NOTE = "median over seeds ± half the min–max range"
 
 
@@ -70,7 +74,8 @@ def summarize_runs(result: ExperimentResult) -> list[SummaryRow]:
             row = rows.setdefault(cell.row, SummaryRow(cell, values={k: [] for k, *_ in METRICS}))
             row.run_ids.append(run_id)
             a = analyze(store, run_id, slo)
-            scope = {**a["cluster"], **{k: a[k] for k in ("prefix_hit_rate", "imbalance", "regret")}}
+            kept = ("prefix_hit_rate", "imbalance", "regret", "ttft_prediction", "index_staleness")
+            scope = {**a["cluster"], **{k: a[k] for k in kept}}
             for key, _, value, _ in METRICS:
                 if (v := value(scope)) is not None:
                     row.values[key].append(v)
@@ -91,10 +96,11 @@ def _key_text(row: SummaryRow, axis: str) -> str:
 
 def format_summary(rows: list[SummaryRow], markdown: bool = False) -> str:
     axes = shown_axes(rows)
-    header = axes + [h for _, h, _, _ in METRICS]
-    body = [[_key_text(r, a) for a in axes] + [r.cell_text(k) for k, *_ in METRICS] for r in rows]
+    metrics = [m for m in METRICS if m[0] not in PREDICTIONS or any(r.values[m[0]] for r in rows)]
+    header = axes + [h for _, h, _, _ in metrics]
+    body = [[_key_text(r, a) for a in axes] + [r.cell_text(k) for k, *_ in metrics] for r in rows]
     if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(axes) + "---:|" * len(METRICS)]
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(axes) + "---:|" * len(metrics)]
         lines += ["| " + " | ".join(cells) + " |" for cells in body]
     else:
         widths = [max(len(x) for x in column) for column in zip(header, *body)]
@@ -291,12 +297,15 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
     elif c.fake_step_seconds is not None:
         model = f"fake flat-cost model ({c.fake_step_seconds * 1000:g} ms a step)"
     else:
-        model = f"fake model, each step priced by {c.cost_model} x {c.cost_scale:g} on the wall clock"
+        scale = f" x {c.cost_scale:g}" if c.cost_scales is None else ""  # else per replica, below
+        model = f"fake model, each step priced by {c.cost_model}{scale} on the wall clock"
     if result.simulated:
         cost = result.plan.cost
         model = f"simulated: {type(cost).__name__}" + (
             f" from {c.cost_model}" if c.cost_model else f" ({c.fake_step_seconds * 1000:g} ms a step)"
         )
+    if c.cost_scales is not None:
+        model += f", replicas' step times x {', '.join(f'{x:g}' for x in c.cost_scales)} (each its own)"
     capacity = ", ".join(
         f"{v.decode_tokens_per_s:.1f} output tok/s and {v.prefill_tokens_per_s:.1f} prompt tok/s at {s} slots/replica"
         for s, v in result.capacities.items()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from autoscaling.policies import AutoscaleConfig
 from cluster.serve_baseline import SERVE_ROUTERS
 from protocol.registry import Registry
 from replica.config import EngineConfig
@@ -67,6 +68,7 @@ class Plan:
     cost: CostModel | None = None  # what a simulated or fake step costs; None for a real model on Ray
     workload_args: dict[str, dict] = field(default_factory=lambda: {"": {}})  # Cell.workload -> its arguments
     skipped: int = 0  # cells routed by Ray Serve's routers, left out of a simulated plan
+    autoscale: AutoscaleConfig | None = None  # [cluster] autoscale, checked; None: a fixed replica count
 
     def engine_config(self, cell: Cell) -> EngineConfig:
         c = self.experiment.cluster
@@ -99,14 +101,18 @@ _SET_ELSEWHERE = {"model", "policy", "num_slots", "max_seq_len", "token_budget",
 
 
 def plan_experiment(
-    path: str | Path, seeds: list[int] | None = None, simulate: bool = False, allow_outside_paths: bool = False
+    path: str | Path,
+    seeds: list[int] | None = None,
+    simulate: bool = False,
+    allow_outside_paths: bool = False,
+    loads: list[float] | None = None,
 ) -> Plan:
     """Everything a run needs, checked: the file, every seed's workload, every cell's engine
-    config, and (simulating) the cost model. `seeds` replaces the file's sweep.seeds; paths in
-    the file must stay in its folder unless `allow_outside_paths`. Raises ExperimentError
+    config, and (simulating) the cost model. `seeds` and `loads` replace the file's sweep.seeds
+    and sweep.load; paths in the file must stay in its folder unless `allow_outside_paths`. Raises ExperimentError
     (file:line: key: what is wrong) before anything has started."""
     experiment = load_experiment(
-        path, batching=POLICIES, routing=ROUTERS, seeds=seeds, allow_outside_paths=allow_outside_paths
+        path, batching=POLICIES, routing=ROUTERS, seeds=seeds, loads=loads, allow_outside_paths=allow_outside_paths
     )
     sweep, c = experiment.sweep, experiment.cluster
     clash = sorted(_SET_ELSEWHERE & set(c.engine))
@@ -118,7 +124,7 @@ def plan_experiment(
         budgets = (sweep.token_budget or [c.token_budget]) if POLICIES[batching].reads_token_budget else [None]
         for budget, routing, load, seed in itertools.product(budgets, sweep.routing, sweep.load or [None], sweep.seeds):
             cells.append(Cell(batching, routing, load, budget, slots, seed, name))
-    plan = Plan(experiment, cells, workload_args=variants)
+    plan = Plan(experiment, cells, workload_args=variants, autoscale=_autoscale(experiment))
     for cell in {cell.deployment: cell for cell in cells}.values():
         try:
             plan.engine_config(cell)
@@ -131,9 +137,31 @@ def plan_experiment(
             raise experiment.error(
                 ("sweep", "routing"), "only Ray Serve's routers: they run on a Ray cluster, not --simulate"
             )
+    if c.cost_scales is not None and not simulate and any(cell.routing in SERVE_ROUTERS for cell in cells):
+        raise experiment.error(
+            ("cluster", "cost_scales"),
+            "Ray Serve's routers serve one deployment of identical replicas: cost_scales cannot run them",
+        )
     if simulate or c.model == "fake":
         plan.cost = _cost_model(experiment)
     return plan
+
+
+def _autoscale(experiment: Experiment) -> AutoscaleConfig | None:
+    """`[cluster] autoscale = { policy = ..., min = ..., max = ..., ... }` as an AutoscaleConfig:
+    `min` and `max` are the bounds, `cooldown`, `period` and `drain_timeout` in seconds, every
+    other key one of the policy's own parameters."""
+    given = experiment.cluster.autoscale
+    if given is None:
+        return None
+    names = {"min": "min_replicas", "max": "max_replicas", "cooldown": "cooldown_s", "period": "period_s"}
+    names["drain_timeout"] = "drain_timeout_s"
+    fields = {names.get(k, k): v for k, v in given.items() if names.get(k, k) in AutoscaleConfig.model_fields}
+    params = {k: v for k, v in given.items() if names.get(k, k) not in AutoscaleConfig.model_fields}
+    try:
+        return AutoscaleConfig(**fields, params=params)
+    except ValidationError as err:
+        raise experiment.invalid(err, ("cluster", "autoscale")) from None
 
 
 def _cost_model(experiment: Experiment) -> CostModel:

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from protocol import defaults
 from protocol.finish import NATURAL_ENDINGS
 
 # How a request may end and still count as served: its natural endings; anything else
@@ -36,6 +37,7 @@ class RequestTrace:
     error: str | None = None
     planned_arrival: float | None = None  # when the workload meant it to arrive (None: at `arrival`)
     submit_lateness: float = 0.0  # how late the driver submitted it against `planned_arrival`
+    cached_tokens: int | None = None  # prompt tokens its replica's prefix cache held when it admitted it
 
     @property
     def num_output_tokens(self) -> int:
@@ -62,7 +64,7 @@ class RequestTrace:
 @dataclass(frozen=True)
 class SLO:
     ttft: float = 2.0  # seconds
-    tpot: float = 0.25  # seconds per output token after the first
+    tpot: float = defaults.TPOT_SLO  # seconds per output token after the first
     e2e: float | None = None
 
     def met_by(self, trace: RequestTrace) -> bool:

@@ -22,6 +22,14 @@ steps or the spread across replicas:
   skipped. Recompute after a preemption counts against it; a run without steps has none.
 - regret: the routing decision audit of `metrics.audit` (TTFT lost against the best replica
   in hindsight); with several runs, `format_report` ends with it summarised per policy.
+- TTFT prediction MAPE: for a policy that predicts TTFT (`Decision.predicted_ttft`), the mean
+  over requests that made a first token of |predicted - measured| / measured TTFT, the prediction of a request's
+  last decision (a moved request's is where it ended); None for a run with no prediction.
+- prefix index staleness: for a prefix-aware policy (`Decision.believed_cached`), the share of
+  the prompt tokens it believed cached on the replica it chose that the replica's cache did not
+  hold when it admitted the request (the request's `cached_tokens`): 1 - sum of min(found,
+  believed) / sum of believed, over requests with both known and something believed; the
+  request's last decision counts, as for the MAPE. None for a run without such requests.
 """
 
 from __future__ import annotations
@@ -42,11 +50,11 @@ def analyze(store: MetricsStore, run_id: int, slo: SLO = SLO()) -> dict:
     """Throughput, goodput, SLO attainment, latency percentiles, occupancy, slot efficiency
     and failures of one run, for the cluster and per replica, plus the imbalance across replicas."""
     run = store.run(run_id)
-    traces, steps = store.traces(run_id), store.steps(run_id)
+    traces, steps, decisions = store.traces(run_id), store.steps(run_id), store.decisions(run_id)
     replica_ids = sorted(
         {t.replica for t in traces if t.replica is not None}
         | {s["replica_id"] for s in steps}
-        | {r for d in store.decisions(run_id) for r in d["scores"] or {}}
+        | {r for d in decisions for r in d["scores"] or {}}
     )
     replicas = {
         r: _scope([t for t in traces if t.replica == r], [s for s in steps if s["replica_id"] == r], slo)
@@ -76,6 +84,40 @@ def analyze(store: MetricsStore, run_id: int, slo: SLO = SLO()) -> dict:
         "submit_lateness": percentiles(lateness),
         "prefix_hit_rate": _prefix_hit_rate(traces, steps),
         "regret": audit(traces),
+        "ttft_prediction": ttft_prediction_error(traces, decisions),
+        "index_staleness": index_staleness(traces, decisions),
+    }
+
+
+def ttft_prediction_error(traces: list[RequestTrace], decisions: list[dict]) -> dict:
+    """MAPE of the predicted TTFT against the measured one (see the module docstring) and the
+    requests it is over; `mape` None when no request with a first token had a prediction."""
+    predicted = {d["request_id"]: d["predicted_ttft"] for d in decisions}  # in time order: the last one stays
+    errors = [
+        abs(predicted[t.request_id] - t.ttft) / t.ttft
+        for t in traces
+        if t.ttft and predicted.get(t.request_id) is not None
+    ]
+    return {"mape": float(np.mean(errors)) if errors else None, "requests": len(errors)}
+
+
+def index_staleness(traces: list[RequestTrace], decisions: list[dict]) -> dict:
+    """How stale a prefix-aware router's view of the caches was (see the module docstring):
+    `staleness` (None when nothing was believed cached), the `requests` it is over, and the
+    prompt tokens `believed` cached and `found` of those at admission."""
+    believed = {d["request_id"]: d.get("believed_cached") for d in decisions}  # the last one stays
+    pairs = [
+        (believed[t.request_id], t.cached_tokens)
+        for t in traces
+        if believed.get(t.request_id) and t.cached_tokens is not None
+    ]
+    total = sum(b for b, _ in pairs)
+    found = sum(min(b, c) for b, c in pairs)
+    return {
+        "staleness": 1.0 - found / total if total else None,
+        "requests": len(pairs),
+        "believed": total,
+        "found": found,
     }
 
 
@@ -196,6 +238,17 @@ def format_report(analyses: list[dict]) -> str:
         if late["max"] is not None:
             lines.append(f"driver submit lateness: p99 {_sec(late['p99'])} s, max {_sec(late['max'])} s")
         lines.append(f"prefix cache hit rate {_pct(a['prefix_hit_rate'])}; {_regret_line(a['regret'])}")
+        if a["index_staleness"]["staleness"] is not None:
+            s = a["index_staleness"]
+            lines.append(
+                f"prefix index staleness {_pct(s['staleness'])}: of {s['believed']} prompt tokens the router "
+                f"believed cached over {s['requests']} requests, {s['found']} were at admission"
+            )
+        if a["ttft_prediction"]["mape"] is not None:
+            p = a["ttft_prediction"]
+            lines.append(
+                f"TTFT prediction MAPE {_pct(p['mape'])} over {p['requests']} requests (predicted vs measured)"
+            )
         blocks.append("\n".join(lines))
     if len({a["routing_policy"] for a in analyses}) > 1:
         blocks.append(format_policy_audit(analyses))
@@ -250,6 +303,7 @@ def to_csv(analyses: list[dict]) -> str:
             if scope == "cluster":
                 flat.update({f"imbalance_{k}": v for k, v in a["imbalance"].items()})
                 flat.update(prefix_hit_rate=a["prefix_hit_rate"], regret_mean=a["regret"]["mean"])
+                flat.update(ttft_prediction_mape=a["ttft_prediction"]["mape"])
             rows.append(flat)
     fields = list(dict.fromkeys(k for row in rows for k in row))
     out = io.StringIO()

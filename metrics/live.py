@@ -14,7 +14,8 @@ a run, `probe` while a capacity probe's requests run), so one run's counts can b
 from the next and from the saturating probe that sets its load. Gauges carry no `run`: they are
 the replica's state now (after a step: the slots that step held), and a gauge left behind under
 an old run's label would read as a second replica. The router's series carry `routing_policy`
-and `run`. Ray adds `SessionName` (the cluster), `NodeAddress` and `WorkerId`.
+and `run`; the autoscaling controller's `autoscaling_policy` (and `run`, or `state` on its
+replica gauge). Ray adds `SessionName` (the cluster), `NodeAddress` and `WorkerId`.
 
 The replicas and the router export every `EXPORT_INTERVAL_MS` whatever the Ray cluster's own
 interval (`RAY_metrics_report_interval_ms`, 10 s unless set), which is what the dashboards'
@@ -40,6 +41,7 @@ def is_probe(request_id: str) -> bool:
 REPLICA_LABELS = ("replica", "node", "model", "batching_policy")
 RUN_LABELS = (*REPLICA_LABELS, "run")
 ROUTER_LABELS = ("routing_policy", "run")
+AUTOSCALER_LABELS = ("autoscaling_policy", "run")
 
 LATENCY_BUCKETS = (
     0.005,
@@ -66,6 +68,7 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1)
 AGE_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+COLD_START_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 
 @dataclass(frozen=True)
@@ -127,12 +130,32 @@ METRICS: dict[str, LiveMetric] = {
         ),
         _histogram("e2e_request_latency_seconds", "arrival to the request's end", LATENCY_BUCKETS),
         _histogram("request_queue_time_seconds", "arrival to the start of the request's first step", LATENCY_BUCKETS),
+        # ---- prefill/decode hand-overs, counted by the replica that took the request in
+        _counter(
+            "kv_handovers_total", "requests handed over here, by outcome (kv: K/V taken in; recompute)", "outcome"
+        ),
+        _counter("kv_handover_bytes_total", "K/V bytes taken in from hand-overs"),
+        _histogram("kv_handover_seconds", "a hand-over's K/V fetch from the replica that made it", LATENCY_BUCKETS),
         # ---- router
         _counter("router_dispatches_total", "requests routed, by replica", "replica", labels=ROUTER_LABELS),
         _counter("router_rejections_total", "route calls refused", labels=ROUTER_LABELS),
         _histogram("router_decision_time_seconds", "time to choose a replica", DECISION_BUCKETS, ROUTER_LABELS),
         _histogram(
             "router_signal_age_seconds", "age of the oldest load report a decision used", AGE_BUCKETS, ROUTER_LABELS
+        ),
+        # ---- autoscaling controller
+        LiveMetric(PREFIX + "autoscaler_replicas", "gauge", "replicas by state", ("autoscaling_policy", "state")),
+        _counter(
+            "autoscaler_decisions_total",
+            "scaling decisions, by direction (up, down, hold)",
+            "direction",
+            labels=AUTOSCALER_LABELS,
+        ),
+        _histogram(
+            "autoscaler_cold_start_seconds",
+            "a started replica's request to its first traffic",
+            COLD_START_BUCKETS,
+            AUTOSCALER_LABELS,
         ),
     )
 }

@@ -36,6 +36,7 @@ def request_row(trace: RequestTrace) -> dict:
         "error": trace.error,
         "token_times": trace.token_times,
         "num_preemptions": trace.num_preemptions,
+        "cached_tokens": trace.cached_tokens,
     }
 
 

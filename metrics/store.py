@@ -26,7 +26,8 @@ Schema (see `SCHEMA`; times are seconds on the writer's clock, `time.time()` in 
 - requests: one row per request at its final event, client-side times: `arrival` (what
   TTFT/E2E are measured from), `planned_arrival` (the workload's schedule) and
   `submit_lateness` (how late the driver submitted it), `first_token`, `completion`.
-  `replica_id` is NULL for a request rejected before it reached a replica.
+  `replica_id` is NULL for a request rejected before it reached a replica; `cached_tokens` is
+  what its replica's prefix cache held of its prompt when it admitted it (NULL: not known).
 - tokens: every output token's client-side arrival time, `idx` from 0.
 - steps: one row per engine step of a replica (replica clock): its replica and slots, then
   every field of `protocol.records.StepRecord` under the field's name (what
@@ -38,8 +39,12 @@ The steps and decisions tables are derived from those record types (`record_colu
 of the record is a column of the same name, its SQL type from the field's type. Only a row's
 key (the replica and step, the request) is NOT NULL, so a store migrated from an older schema
 keeps its old rows, NULL where a field did not exist yet.
-- migrations: one row per move of a request off a replica that was lost or drained: from,
-  to (NULL when no replica could take it), the tokens carried over, and why.
+- migrations: one row per move of a request off a replica that was lost or drained, or that
+  handed it over (prefill/decode disaggregation): from, to (NULL when no replica could take
+  it), the tokens carried over, why, and the K/V bytes fetched with it and the fetch's time.
+- scaling: one row per autoscaling decision, the fields of `protocol.scaling.ScalingDecision`
+  (its inputs as a JSON object); cold_starts: one row per replica the autoscaler started, the
+  fields of `protocol.scaling.ColdStart`. Both derived from their records, like steps.
 """
 
 from __future__ import annotations
@@ -59,9 +64,10 @@ from pathlib import Path
 from metrics.definitions import RequestTrace
 from protocol.errors import SlotServeError
 from protocol.records import Decision, StepRecord
+from protocol.scaling import ColdStart, ScalingDecision
 
 DEFAULT_STORE = Path("results/slotserve.db")
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 7
 _MIGRATIONS_TABLE = """CREATE TABLE IF NOT EXISTS migrations (
     run_id INTEGER NOT NULL REFERENCES runs(run_id),
     request_id TEXT NOT NULL,
@@ -69,7 +75,9 @@ _MIGRATIONS_TABLE = """CREATE TABLE IF NOT EXISTS migrations (
     from_replica TEXT NOT NULL,
     to_replica TEXT,                 -- NULL: no replica could take it (the request failed)
     tokens_carried INTEGER,          -- tokens already delivered, prefilled on the new replica
-    reason TEXT
+    reason TEXT,
+    kv_bytes INTEGER,                -- K/V taken from the old replica instead (a hand-over); 0: computed
+    kv_seconds REAL                  -- the K/V fetch's time; NULL: none was tried
 );"""
 # How a store of an older version is brought up to this one, step by step (version -> SQL
 # statements): version 3 named four step columns apart from StepRecord's fields.
@@ -128,6 +136,8 @@ _RECORD_TABLES = {
         *record_columns(StepRecord, keys=("step",)),
     ),
     "decisions": record_columns(Decision, keys=("request_id",)),
+    "scaling": record_columns(ScalingDecision, keys=("time",)),
+    "cold_starts": record_columns(ColdStart, keys=("replica_id",)),
 }
 
 
@@ -136,6 +146,18 @@ def _record_table(name: str) -> str:
     return (
         f"CREATE TABLE IF NOT EXISTS {name} (\n    run_id INTEGER NOT NULL REFERENCES runs(run_id),\n    {columns}\n);"
     )
+
+
+_MIGRATIONS[4] = [_record_table("scaling"), _record_table("cold_starts")]  # the autoscaler's tables
+_MIGRATIONS[5] = ["ALTER TABLE decisions ADD COLUMN predicted_ttft REAL"]  # a predicting policy's TTFT
+_MIGRATIONS[5] += [  # what a prefix-aware router believed cached, what the replica found (index staleness)
+    "ALTER TABLE decisions ADD COLUMN believed_cached INTEGER",
+    "ALTER TABLE requests ADD COLUMN cached_tokens INTEGER",
+]
+_MIGRATIONS[6] = [  # a prefill/decode hand-over's K/V moved with the request
+    "ALTER TABLE migrations ADD COLUMN kv_bytes INTEGER",
+    "ALTER TABLE migrations ADD COLUMN kv_seconds REAL",
+]
 
 
 SCHEMA = """
@@ -170,6 +192,7 @@ CREATE TABLE IF NOT EXISTS requests (
     finish_reason TEXT NOT NULL,     -- eos | stop | length | abort | error | rejected
     error TEXT,
     num_preemptions INTEGER,
+    cached_tokens INTEGER,           -- prompt tokens the replica's prefix cache held at admission
     PRIMARY KEY (run_id, request_id)
 );
 CREATE TABLE IF NOT EXISTS tokens (
@@ -187,6 +210,8 @@ SCHEMA += "\n".join(
         _record_table("decisions"),
         "CREATE INDEX IF NOT EXISTS decisions_by_run ON decisions (run_id, time);",
         _MIGRATIONS_TABLE,
+        _record_table("scaling"),
+        _record_table("cold_starts"),
     ]
 )
 
@@ -208,9 +233,19 @@ _COLUMNS = {
         "finish_reason",
         "error",
         "num_preemptions",
+        "cached_tokens",
     ),
     **{table: tuple(c.name for c in columns) for table, columns in _RECORD_TABLES.items()},
-    "migrations": ("request_id", "time", "from_replica", "to_replica", "tokens_carried", "reason"),
+    "migrations": (
+        "request_id",
+        "time",
+        "from_replica",
+        "to_replica",
+        "tokens_carried",
+        "reason",
+        "kv_bytes",
+        "kv_seconds",
+    ),
 }
 _REQUIRED = {
     "requests": ("request_id", "arrival", "completion", "finish_reason"),
@@ -336,6 +371,14 @@ class MetricsStore:
     def add_decisions(self, run_id: int, rows: list[dict]) -> None:
         self._write(run_id, [_batch("decisions", run_id, rows)])
 
+    def add_scaling(self, run_id: int, rows: list[dict]) -> None:
+        """Autoscaling decisions: rows of `ScalingDecision`'s fields."""
+        self._write(run_id, [_batch("scaling", run_id, rows)])
+
+    def add_cold_starts(self, run_id: int, rows: list[dict]) -> None:
+        """Replicas the autoscaler started: rows of `ColdStart`'s fields."""
+        self._write(run_id, [_batch("cold_starts", run_id, rows)])
+
     def add_migrations(self, run_id: int, rows: list[dict]) -> None:
         """Requests moved to another replica (a lost or draining one): one row per move."""
         self._write(run_id, [_batch("migrations", run_id, rows)])
@@ -379,6 +422,7 @@ class MetricsStore:
                 r["prompt_len"] or 0,
                 r["replica_id"],
                 r["num_preemptions"] or 0,
+                cached_tokens=r["cached_tokens"],
             )
             for r in self.conn.execute("SELECT * FROM requests WHERE run_id = ? ORDER BY request_id", (run_id,))
         ]
@@ -402,6 +446,20 @@ class MetricsStore:
         return [
             {k: _decode(k, r[k]) for k in r.keys()}
             for r in self.conn.execute("SELECT * FROM decisions WHERE run_id = ? ORDER BY time, rowid", (run_id,))
+        ]
+
+    def scaling(self, run_id: int) -> list[dict]:
+        """The run's autoscaling decisions in time order (inputs decoded)."""
+        return self._rows("scaling", run_id, "time, rowid")
+
+    def cold_starts(self, run_id: int) -> list[dict]:
+        return self._rows("cold_starts", run_id, "requested, rowid")
+
+    def _rows(self, table: str, run_id: int, order: str) -> list[dict]:
+        self.run(run_id)
+        return [
+            {k: _decode(k, r[k]) for k in r.keys()}
+            for r in self.conn.execute(f"SELECT * FROM {table} WHERE run_id = ? ORDER BY {order}", (run_id,))
         ]
 
     def migrations(self, run_id: int) -> list[dict]:

@@ -20,4 +20,8 @@ MAX_SEQ_LEN = 640
 BLOCK_SIZE = 16  # `paged`: K/V tokens per block; also the block a prompt's hashes are chained over
 TOKEN_BUDGET = 256  # `chunked`: tokens per step, decodes first, then prefill chunks
 
+# Seconds per output token after the first that a request may take: the SLO reports count
+# against unless told another, and the TPOT `predicted_latency` routes within.
+TPOT_SLO = 0.25
+
 MAX_IN_FLIGHT_PER_REPLICA = 512  # the router's bound per replica; past it on every replica: overloaded

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from protocol.cost import StepPricing
 from protocol.finish import FinishReason
 
 
@@ -32,6 +33,11 @@ class LoadReport:
     decode_tokens_made: int = 0
     tokens_made: dict[str, int] = field(default_factory=dict)
     kv_events: KvEvents | None = None  # a paged prefix cache's changes since the last report sent
+    # Seconds from arrival to first token, per request it holds that has made one (a router
+    # predicting TTFT learns each replica's error from them), and how its steps are priced when
+    # it knows (a fake replica's cost model; a router predicting latency prices its queue by it).
+    ttft: dict[str, float] = field(default_factory=dict)
+    pricing: StepPricing | None = None
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,10 @@ class KvEvents:
 class StreamEvent:
     """New tokens of one request from one engine step. `made` is when the replica made them
     (its clock); `received` is stamped by the client when the event reaches it. The last
-    event of a request has finished=True and its finish reason (and error, if it failed)."""
+    event of a request has finished=True and its finish reason (and error, if it failed).
+    `handed_over`: on a `migrate` ending, the request's K/V wait on this replica for the next
+    one to fetch (`ReplicaActor.take_handover`: prefill/decode disaggregation) instead of
+    being computed again."""
 
     request_id: str
     replica_id: str
@@ -64,6 +73,7 @@ class StreamEvent:
     finish_reason: FinishReason | None = None
     error: str | None = None
     received: float | None = None
+    handed_over: bool = False
 
     @property
     def time(self) -> float:
@@ -97,10 +107,13 @@ class HealthReport:
 
 @dataclass(frozen=True)
 class MigrationRecord:
-    """One move of a request to another replica after the one serving it was lost or drained:
-    the new replica prefills the prompt and the `tokens_carried` tokens already delivered, then
-    continues, so the client's stream has no gap and no duplicate. `to_replica` is None when no
-    replica could take it (the request then ends with an error)."""
+    """One move of a request to another replica after the one serving it was lost or drained,
+    or handed it over (a prefill replica, once the first token is out): the new replica
+    prefills the prompt and the `tokens_carried` tokens already delivered, then continues, so
+    the client's stream has no gap and no duplicate; or it takes their K/V from the old one,
+    `kv_bytes` of them in `kv_seconds` (`kv_seconds` None: no fetch was tried; `kv_bytes` 0
+    after one: it failed, and they were computed again). `to_replica` is None when no replica
+    could take it (the request then ends with an error)."""
 
     request_id: str
     from_replica: str
@@ -108,3 +121,5 @@ class MigrationRecord:
     tokens_carried: int
     reason: str
     time: float
+    kv_bytes: int = 0
+    kv_seconds: float | None = None

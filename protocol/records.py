@@ -37,7 +37,9 @@ class StepRecord:
 class Decision:
     """One routing decision. `scores` and `in_flight` are what the policy saw, before this
     request was counted; `signal_age` is the age of the oldest load report that went into a
-    score (None when the policy used none, or no replica has reported yet)."""
+    score (None when the policy used none, or no replica has reported yet). `predicted_ttft`:
+    the TTFT the policy predicted on the chosen replica, in seconds (None: it predicts none),
+    which reports compare with the measured one."""
 
     request_id: str
     replica_id: str
@@ -46,3 +48,8 @@ class Decision:
     scores: dict[str, float]
     signal_age: float | None
     in_flight: dict[str, int]
+    predicted_ttft: float | None = None
+    # Prompt tokens the policy believed the chosen replica's prefix cache held (None: it does not
+    # look at caches); the replica's count at admission (the request's `cached_tokens`) says how
+    # stale that belief was.
+    believed_cached: int | None = None

@@ -3,7 +3,9 @@ one decision (`ScalingObservation`: the serving replicas' last load reports, how
 are starting or draining, the arrivals since the last decision) and the decision itself
 (`ScalingDecision`, with its reason and the inputs it was made from, so a run can show why the
 cluster grew or shrank). Plain frozen dataclasses: the simulator and a controller actor beside
-the router build the same observation, and a decision travels to the store as it is."""
+the router build the same observation, and a decision travels to the store as it is. On Ray,
+the controller (`cluster.autoscaler`) reads the router's `ScalingView`, measures each new
+replica's `ColdStart` and answers `AutoscalerStatus` (every replica's `ReplicaState`)."""
 
 from __future__ import annotations
 
@@ -86,3 +88,60 @@ class ScalingDecision:
     def change(self) -> int:
         """Replicas to start (positive) or drain (negative)."""
         return self.desired - self.current
+
+
+@dataclass(frozen=True)
+class ScalingView:
+    """What the router actor tells the autoscaling controller each decision period
+    (`RouterActor.scaling_view`): every replica's last load report, the replicas marked down
+    (with why), the requests it has in flight on each, the new requests routed since the last
+    view, and the run being recorded (None outside a run)."""
+
+    reports: dict[str, LoadReport]
+    down: dict[str, str]
+    in_flight: dict[str, int]
+    arrivals: ArrivalWindow
+    run_id: int | None = None
+
+
+@dataclass(frozen=True)
+class ColdStart:
+    """One replica's start, in seconds from the controller's request (`requested`, wall
+    clock): `loaded_s` when the actor answered (placed on a node, started, model loaded),
+    `first_step_s` when its first step (one warm-up request) returned a token, `ready_s` when
+    the router's health check passed and it took traffic."""
+
+    replica_id: str
+    requested: float
+    loaded_s: float
+    first_step_s: float
+    ready_s: float
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """A replica as the controller sees it: `state` is `starting` (asked for, not yet taking
+    traffic), `serving` or `draining` (taking nothing new, leaving once what it holds is done)."""
+
+    replica_id: str
+    state: str
+    since: float
+
+
+@dataclass(frozen=True)
+class AutoscalerStatus:
+    """The controller's read-out (`slotserve status`, `slotserve top`): its policy and bounds,
+    every replica's state, the last decision, and the cold starts measured so far."""
+
+    policy: str
+    min_replicas: int
+    max_replicas: int
+    replicas: list[ReplicaState]
+    last_decision: ScalingDecision | None
+    decisions: int
+    scale_ups: int
+    scale_downs: int
+    cold_starts: list[ColdStart]
+    drained_finished: int  # requests of drained replicas that finished there
+    drained_moved: int  # and those handed back to their clients to resume elsewhere
+    errors: list[str]

@@ -29,6 +29,10 @@ class ReplicaTelemetry:
     def on_load(self, load: Any) -> None:
         """The replica's load at a step boundary or when it went idle."""
 
+    def on_handover(self, fetch: Any) -> None:
+        """A request handed over by another replica was admitted here (`protocol.handover.KvFetch`:
+        the K/V bytes taken in and the seconds the fetch took, or why it computes them again)."""
+
     def set_run(self, run_id: int | None) -> None:
         """Counts from now on belong to this run."""
 

@@ -1,9 +1,13 @@
+# Over 400 lines: the engine's whole surface (submission, the step, hand-overs between replicas,
+# offline generate) is one object's, and each piece is short.
 """One engine replica: a batching scheduler, a model runner, and the loop that joins them.
 
 `add_request` validates and queues, `step()` runs one scheduled forward pass and reports what
 happened (new tokens, finished requests, a per-step record), `abort` cancels, and
 `generate()` is the blocking offline call. Every request ends with exactly one final
-`RequestOutput` (finished=True) carrying its reason. No Ray here: the actor wraps this.
+`RequestOutput` (finished=True) carrying its reason. `add_request(hand_over=True)`,
+`hand_over` and `import_request` move a request with its K/V between engines (prefill/decode
+disaggregation, `replica.scheduling.handover`). No Ray here: the actor wraps this.
 """
 
 from __future__ import annotations
@@ -14,11 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from protocol.clock import Clock, WallClock
+from protocol.cost import StepPricing
+from protocol.handover import Handover
 from protocol.messages import KvEvents, LoadReport
 from protocol.records import StepRecord
 from protocol.replicas import Resume
 from replica.config import EngineConfig
 from replica.errors import ConfigError, InvalidRequestError, InvariantViolation, RequestTooLongError
+from replica.scheduling.handover import KvTransfer, can_export
 from replica.scheduling.policies import make_scheduler
 from replica.scheduling.request import FinishReason, Request, SamplingParams
 from replica.scheduling.scheduler import SchedulerOutput
@@ -50,6 +57,8 @@ class RequestOutput:
     error: str | None = None
     # Set on the final output: the tokens the request made in all (a router's length estimates learn from it).
     num_output_tokens: int | None = None
+    # Set on the final output of a request handed over (finish reason MIGRATE): what goes to the receiver.
+    handover: Handover | None = None
 
 
 @dataclass
@@ -90,10 +99,17 @@ class Engine:
         self.runner = runner
         self.tokenizer = runner.tokenizer
         self.scheduler = make_scheduler(self.config.policy, self.config, self.clock)
+        # How its steps are priced, on its load reports for a router that predicts latency:
+        # known for a fake runner only (`step_cost`), a real model's speed the router learns.
+        cost = getattr(runner, "step_cost", None)
+        budget = self.config.token_budget if self.scheduler.reads_token_budget else None
+        self.pricing = None if cost is None else StepPricing(cost, budget)
         self.requests: dict[str, Request] = {}  # unfinished ones
         self._ids = itertools.count()
         self._steps = itertools.count()
         self._held: dict[str, int] = {}  # chars at the end of a request's text not streamed yet
+        block_size = self.config.block_size if self.config.kv_cache == "paged" else 0
+        self.kv_transfer = KvTransfer(cache, block_size, getattr(runner, "kv_bytes_per_token", 0))
 
     # ---- submission --------------------------------------------------------------------
     def add_request(
@@ -104,10 +120,14 @@ class Engine:
         arrival_time: float | None = None,
         oracle_output_len: int | None = None,
         resume: Resume | None = None,
+        hand_over: bool = False,
     ) -> str:
         """Validate and queue a request; raises InvalidRequestError (naming the field) and
         queues nothing when any part of it is wrong. `resume`: the tokens another replica
-        already made for it, which become output the scheduler prefills with the prompt."""
+        already made for it, which become output the scheduler prefills with the prompt.
+        `hand_over`: this replica only prefills it (the prefill role): once its first token
+        is sampled it ends here with finish reason MIGRATE and a `Handover` for a decode
+        replica on its final output (unless that token already ended it)."""
         sampling = SamplingParams.parse(params)
         prompt_ids = self._tokenize(prompt)
         if sampling.stop and self.tokenizer is None:
@@ -136,6 +156,7 @@ class Engine:
         )
         if resume is not None:
             request.resume_from(resume.token_ids, resume.text)
+        request.hand_over = hand_over
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -157,6 +178,36 @@ class Engine:
         if not ids:
             raise InvalidRequestError("prompt", "is empty")
         return ids
+
+    def import_request(self, handover: Handover) -> bool:
+        """Admit a request another replica handed over (the decode role): it is validated like
+        any submission and queued with its K/V, written into its rows when it is admitted, so
+        it decodes on without computing its prompt. Returns False when its K/V cannot be used
+        here (no tensors, another model's shape): it then recomputes them, as a resumed request."""
+        request_id = self.add_request(
+            handover.prompt_token_ids,
+            handover.sampling,
+            handover.request_id,
+            handover.arrival_time,
+            resume=Resume(handover.output_token_ids, handover.text),
+        )
+        return self.kv_transfer.take(self.requests[request_id], handover)
+
+    def hand_over(self, request_id: str) -> RequestOutput:
+        """End a decoding request here and return its final output with its `Handover` (a
+        drain that moves K/V instead of recomputing them); InvalidRequestError if it is not
+        decoding (waiting, or mid-prefill: it has no K/V to continue from)."""
+        request = self.requests.get(request_id)
+        if request is None or not can_export(request):
+            raise InvalidRequestError("request_id", f"{request_id!r} is not decoding here")
+        return self._export(request, [], "")
+
+    def _export(self, request: Request, new_tokens: list[int], new_text: str) -> RequestOutput:
+        delivered = request.text[: len(request.text) - self._held.get(request.request_id, 0)]
+        handover = self.kv_transfer.export(request, delivered, self.clock.now())
+        output = self._finish(request, FinishReason.MIGRATE, new_tokens, new_text)
+        output.handover = handover
+        return output
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request; returns its final event, or None if it is not running here."""
@@ -217,10 +268,14 @@ class Engine:
             prefill_tokens_pending=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in live),
             decode_tokens_made=sum(r.num_output_tokens for r in live),
             tokens_made={r.request_id: r.num_output_tokens for r in live},
+            ttft={r.request_id: r.token_times[0] - r.arrival_time for r in live if r.token_times},
+            pricing=self.pricing,
         )
 
     def step(self) -> StepResult:
         out = self.scheduler.schedule()
+        if self.kv_transfer.pending:
+            self.kv_transfer.write_admitted(self.scheduler.slots)
         if out.is_empty:
             return StepResult()
         start = self.clock.now()
@@ -277,6 +332,8 @@ class Engine:
             new_text = request.text[sent:upto]
         if reason is not None:
             return self._finish(request, reason, [token], new_text)
+        if request.hand_over:
+            return self._export(request, [token], new_text)
         return RequestOutput(request.request_id, [token], new_text, False, None, now)
 
     def _detokenize_delta(self, request: Request) -> str:
@@ -297,6 +354,7 @@ class Engine:
         request.error = error
         self.runner.release(request.request_id)
         self._held.pop(request.request_id, None)
+        self.kv_transfer.pending.pop(request.request_id, None)
         del self.requests[request.request_id]
         return RequestOutput(
             request.request_id, new_tokens, new_text, True, reason, self.clock.now(), error, request.num_output_tokens

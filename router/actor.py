@@ -16,6 +16,11 @@ down at once (a client that loses a replica's stream says so too, through `repli
 that reports a failed or stalled loop is killed so Ray restarts it; a replica Ray restarted is
 attached to this router again and marked up only once its health check passes. A replica being
 drained stays down until it is gone.
+
+Scaling: the autoscaling controller (`cluster.autoscaler`) reads `scaling_view` every decision
+period (the last load reports, the requests in flight, the new requests routed since its last
+look), adds a replica it started with `add_replica` (down, `starting`, until the health check
+above attaches it and passes) and takes a drained one away with `remove_replica`.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ from protocol.messages import HealthReport, LoadReport
 from protocol.records import Decision, JsonObject
 from protocol.replicas import Unreachable
 from protocol.routing import RouteRequest, RouterView
+from protocol.scaling import ArrivalWindow, ScalingView
 from protocol.telemetry_hooks import RouterTelemetry
+from router.pd_router import PdPools, PdRouter
 from router.policies import DEFAULT_POLICY
 from router.router import Router
 
@@ -56,6 +63,7 @@ class RouterActor:
         health_period: float | None = None,
         health_timeout: float = 15.0,
         telemetry=None,
+        pools: PdPools | None = None,
     ):
         """`store`, if given, receives `add_decision_records.remote(run_id, decisions)` every `flush_every`
         decisions and on `flush()`. Decisions are recorded only inside a run (from
@@ -63,18 +71,21 @@ class RouterActor:
         `health_period` (seconds) the replicas' health is watched (see the module docstring).
         A replica or the store may be given by its actor name (in the router's namespace)
         instead of a handle: a router Ray restarts after its creator has gone then finds them
-        again by name, where handles passed by reference would be gone with their owner."""
+        again by name, where handles passed by reference would be gone with their owner.
+        `pools`: the replicas' prefill/decode roles and the P/D decider (`router.pd_router`)."""
         self._handles = {replica_id: _actor(h) for replica_id, h in replica_handles.items()}
         store = _actor(store) if store is not None else None
-        self._router = Router(
-            list(replica_handles),
-            policy,
-            seed=seed,
-            max_in_flight_per_replica=max_in_flight_per_replica,
-            max_in_flight=max_in_flight,
-        )
+        bounds = {"max_in_flight_per_replica": max_in_flight_per_replica, "max_in_flight": max_in_flight}
+        if pools is None:
+            self._router = Router(list(replica_handles), policy, seed=seed, **bounds)
+        else:  # prefill and decode pools (router.pd_router)
+            self._router = PdRouter(list(replica_handles), pools, policy=policy, seed=seed, **bounds)
         # live metrics: `telemetry(router)` builds the exporter it is given (cluster.prometheus_exporters)
         self._telemetry = telemetry(self._router) if telemetry else RouterTelemetry()
+        self._bound_given = max_in_flight is not None  # else the bound in all follows the replica count
+        # new requests routed since the last scaling view: count, prompt tokens, max_tokens
+        self._window_start = time.time()
+        self._arrived = self._arrived_prompt = self._arrived_output = 0
         self._draining: set[str] = set()
         self._health: dict[str, HealthReport | Unreachable] = {}  # last answer per replica
         self._restarting: set[str] = set()  # killed for a restart, not yet healthy again
@@ -92,6 +103,10 @@ class RouterActor:
         """The id of the replica to send the request to (its handle is in `replicas()`).
         Raises OverloadedError when the bounds are reached or no replica is up."""
         decision = self._telemetry.route(self._router.route, request)
+        if request.moved_from is None:
+            self._arrived += 1
+            self._arrived_prompt += request.prompt_len
+            self._arrived_output += request.max_tokens
         self._take_decisions()
         return decision.replica_id
 
@@ -135,8 +150,46 @@ class RouterActor:
         self._draining.add(replica_id)
         self._router.mark_down(replica_id, "draining")
 
+    def scaling_view(self) -> ScalingView:
+        """For the autoscaling controller: the replicas' last load reports, which are down, the
+        requests in flight on each, and the new requests routed since the last call."""
+        now = time.time()
+        arrivals = ArrivalWindow(self._window_start, now, self._arrived, self._arrived_prompt, self._arrived_output)
+        self._window_start = now
+        self._arrived = self._arrived_prompt = self._arrived_output = 0
+        in_flight = {v.replica_id: v.in_flight for v in self._router.load.views(self._router.clock.now())}
+        return ScalingView(self._router.load.last_reports(), dict(self._router.down), in_flight, arrivals, self._run_id)
+
+    def add_replica(self, replica_id: str, actor_name: str) -> None:
+        """A replica the controller started (its actor, by name): routed to once the health
+        check has attached it and passed, as a replica Ray restarted is."""
+        self._handles[replica_id] = _actor(actor_name)
+        self._router.add_replica(replica_id)
+        self._router.mark_down(replica_id, "starting")
+        self._follow_replica_count()
+
+    def remove_replica(self, replica_id: str) -> None:
+        """A drained replica is gone: forget it (its requests were handed back to their clients)."""
+        if replica_id not in self._handles:
+            return
+        self._router.remove_replica(replica_id)
+        del self._handles[replica_id]
+        for held in (self._draining, self._restarting):
+            held.discard(replica_id)
+        self._health.pop(replica_id, None)
+        self._follow_replica_count()
+
+    def is_up(self, replica_id: str) -> bool:
+        """Whether the replica is routed to (known and not down)."""
+        return replica_id in self._handles and replica_id not in self._router.down
+
+    def _follow_replica_count(self) -> None:
+        if not self._bound_given:
+            self._router.max_in_flight = self._router.max_in_flight_per_replica * len(self._handles)
+
     def apply_health(self, answers: dict[str, HealthReport | Unreachable]) -> None:
-        """The watcher's findings put into effect."""
+        """The watcher's findings put into effect (a replica removed meanwhile is left out)."""
+        answers = {replica_id: a for replica_id, a in answers.items() if replica_id in self._handles}
         self._health.update(answers)
         for replica_id, answer in answers.items():
             if replica_id in self._draining:
@@ -165,7 +218,7 @@ class RouterActor:
         while True:
             time.sleep(period)
             now = time.monotonic()
-            for replica_id, handle in self._handles.items():
+            for replica_id, handle in list(self._handles.items()):  # replicas come and go meanwhile
                 if replica_id not in pending:
                     pending[replica_id] = (handle.health.remote(), now)
             answers: dict[str, HealthReport | Unreachable] = {}

@@ -186,12 +186,15 @@ class InFlightBlocks:
     def __init__(self) -> None:
         self._holders: dict[int, dict[str, int]] = {}  # hash -> replica -> requests in flight holding it
         self._requests: dict[str, tuple[str, tuple[int, ...]]] = {}  # request id -> (replica, its hashes)
+        self._distinct: dict[str, int] = {}  # replica -> distinct hashes its requests in flight hold
 
     def add(self, request_id: str, replica_id: str, hashes: Sequence[int]) -> None:
         self.remove(request_id)  # a request moved to another replica
         self._requests[request_id] = (replica_id, tuple(hashes))
         for h in hashes:
             holders = self._holders.setdefault(h, {})
+            if replica_id not in holders:
+                self._distinct[replica_id] = self._distinct.get(replica_id, 0) + 1
             holders[replica_id] = holders.get(replica_id, 0) + 1
 
     def remove(self, request_id: str) -> None:
@@ -201,6 +204,7 @@ class InFlightBlocks:
             holders[replica_id] -= 1
             if not holders[replica_id]:
                 del holders[replica_id]
+                self._distinct[replica_id] -= 1
                 if not holders:
                     del self._holders[h]
 
@@ -216,6 +220,10 @@ class InFlightBlocks:
                 n += 1
             matched[replica_id] = n
         return matched
+
+    def num_blocks(self, replica_id: str) -> int:
+        """Distinct blocks the requests in flight on the replica hold (cached there or soon)."""
+        return self._distinct.get(replica_id, 0)
 
     def __len__(self) -> int:
         return len(self._requests)

@@ -1,3 +1,5 @@
+# Over 400 lines: every routing policy beside the base class it overrides and the one registry of
+# them all (each policy is a small override; the models they score by live in their own modules).
 """The routing policies compared by slotserve. Each scores every replica (lower is better)
 from the router's load view and the base class picks the lowest, so a decision can be logged
 with all its scores and two policies differ in their scoring and nothing else.
@@ -17,11 +19,14 @@ import math
 import random
 from collections import OrderedDict
 
+from protocol import defaults
+from protocol.messages import LoadReport
 from protocol.registry import Registry
 from protocol.routing import RouteRequest
 from router.block_index import BlockIndex, InFlightBlocks
 from router.length_predictor import BucketedLength, MeanLength
 from router.load import ReplicaView
+from router.predicted_latency import LatencyModel
 from router.prefix_index import CAPACITY_BLOCKS, PrefixIndex
 from router.work import DECODE_WEIGHT, WorkLedger
 
@@ -51,6 +56,21 @@ class RoutingPolicy:
     def attach_block_index(self, index: BlockIndex) -> None:
         """The router's precise block index (kept from the replicas' K/V events); a policy
         that scores by it keeps it."""
+
+    def reported(self, load: LoadReport) -> None:
+        """A replica's load report reached the router (a policy that learns from them hears it)."""
+
+    def predicted_ttft(self, replica_id: str) -> float | None:
+        """The TTFT this policy predicted for the request it last scored on the replica (the
+        router logs it for the chosen one); None: it predicts none."""
+        return None
+
+    def believed_cached(self, request: RouteRequest, replica_id: str) -> int | None:
+        """Prompt tokens this policy took to be in the replica's prefix cache when it last scored
+        `request` (the router logs it for the chosen replica, and the replica's count of the
+        tokens that did hit at admission measures how stale that belief was); None: it does not
+        look at caches."""
+        return None
 
     def _pick(self, scores: list[float]) -> int:
         best = min(scores)
@@ -172,8 +192,13 @@ class LeastWork(RoutingPolicy):
         return [self.work.score(v) for v in views]
 
     def dispatched(self, request: RouteRequest, replica_id: str, now: float) -> None:
-        self.work.reserve(request.request_id, replica_id, request.prompt_len, self.lengths.estimate(request), now)
+        prefill = self.prefill_tokens(request, replica_id)
+        self.work.reserve(request.request_id, replica_id, prefill, self.lengths.estimate(request), now)
         self._in_flight[request.request_id] = request
+
+    def prefill_tokens(self, request: RouteRequest, replica_id: str) -> int:
+        """Prompt tokens the replica will compute for the request: here, all of them."""
+        return request.prompt_len
 
     def completed(self, request_id: str, output_len: int | None) -> None:
         self.work.release(request_id)
@@ -194,13 +219,16 @@ class PrefixAffinity(PredictedLength):
     """Where the prompt's prefix is cached, unless that replica is too busy. Score: the cost of
     serving the request there, in prefill-token equivalents, as Dynamo's KV router prices it:
     prompt tokens not found in the replica's cache (by the approximate `PrefixIndex`) plus the
-    replica's pending work (`predicted_length`'s estimate).
+    replica's pending work (`predicted_length`'s estimate, in which a routed request reserves
+    only the prompt tokens its replica was not found to hold: a hit's prefix is not work).
 
     Imbalance guard (after SGLang's cache-aware router): a replica whose pending work exceeds
     `balance_ratio` x the least pending work plus `balance_tokens` is not eligible (+inf), so a
     popular prefix cannot pile requests onto one replica; its requests spill to the next
     cheapest, which then caches the prefix too. Requests without block hashes are placed by
-    pending work alone."""
+    pending work alone. `miss_weight` prices a prompt token to compute above a token of pending
+    work: pending work is done wherever the request goes, a miss is work the cluster adds (and
+    its blocks evict someone else's prefix)."""
 
     name = "prefix_affinity"
 
@@ -211,25 +239,47 @@ class PrefixAffinity(PredictedLength):
         balance_ratio: float = 1.5,
         balance_tokens: float = 1024.0,
         capacity_blocks: int = CAPACITY_BLOCKS,
+        miss_weight: float = 1.0,
     ):
         super().__init__(seed, decode_weight)
         self.balance_ratio, self.balance_tokens = balance_ratio, balance_tokens
+        self.miss_weight = miss_weight
         self.index = PrefixIndex(capacity_blocks)
+        self._matched: tuple[str, dict[str, int]] = ("", {})  # request id, its blocks matched per replica
 
     def matched(self, request: RouteRequest, views: list[ReplicaView]) -> dict[str, int]:
-        """How many of the prompt's leading blocks each replica holds, as this policy knows it."""
+        """How many of the prompt's leading blocks each replica holds, as this policy knows it
+        (`cached_blocks`); kept for the dispatch that follows (`matched_blocks`)."""
+        matched = self.cached_blocks(request, views)
+        self._matched = (request.request_id, matched)
+        return matched
+
+    def cached_blocks(self, request: RouteRequest, views: list[ReplicaView]) -> dict[str, int]:
+        """Here, by the approximate index of past dispatches."""
         return self.index.matched_blocks(request.block_hashes, [v.replica_id for v in views])
 
     def remember(self, request: RouteRequest, replica_id: str) -> None:
         """What the index learns from a dispatch: here, that the replica will hold the prompt."""
         self.index.insert(replica_id, request.block_hashes)
 
+    def matched_blocks(self, request: RouteRequest, replica_id: str) -> int:
+        """Leading prompt blocks the last scoring of `request` found on the replica."""
+        request_id, matched = self._matched
+        return matched.get(replica_id, 0) if request_id == request.request_id else 0
+
+    def believed_cached(self, request: RouteRequest, replica_id: str) -> int | None:
+        cacheable = max(0, (request.prompt_len - 1) // request.block_size)
+        return min(self.matched_blocks(request, replica_id), cacheable) * request.block_size
+
+    def prefill_tokens(self, request: RouteRequest, replica_id: str) -> int:
+        return max(0, request.prompt_len - self.matched_blocks(request, replica_id) * request.block_size)
+
     def scores(self, request: RouteRequest, views: list[ReplicaView]) -> list[float]:
         pending = [self.work.score(v) for v in views]  # pending work and the wait for a slot
-        matched = self.matched(request, views)
+        self.matched(request, views)
         bound = self.balance_ratio * min(pending) + self.balance_tokens
         return [
-            p + max(0, request.prompt_len - matched[v.replica_id] * request.block_size) if p <= bound else math.inf
+            p + self.miss_weight * self.prefill_tokens(request, v.replica_id) if p <= bound else math.inf
             for v, p in zip(views, pending)
         ]
 
@@ -248,41 +298,100 @@ class PrecisePrefix(PrefixAffinity):
     them while they run, and no K/V event can say so before the prefill is done, so a burst on
     one new prefix follows its first request instead of computing the prefix once per replica.
 
-    Ties (typically a prefix no replica holds, on equally loaded replicas) go to one of the
-    tied replicas at random (seeded), so misses spread over the least loaded rather than all
-    landing on one replica, the hotspot users of cache-aware routers report."""
+    Its defaults price a miss at twice a token of pending work and allow 4,096 tokens of pending
+    work over the least loaded before the guard excludes a replica: with the guard at 1,024 a
+    replica that holds the prefix and is prefilling one other request's miss is already out, and
+    its hits go to replicas that must compute the prefix again and evict another for it.
+
+    Placement (typically of a prefix no replica holds): among the replicas that score within
+    `placement_slack` tokens of the best and match as much of the prompt as the best does, the
+    one whose cache holds the fewest blocks (indexed or in flight), so the new prefix evicts
+    the least and prefixes partition over the replicas instead of each replica cycling through
+    all of them; remaining ties at random (seeded), so misses never all land on one replica,
+    the hotspot users of cache-aware routers report."""
 
     name = "precise_prefix"
 
-    def __init__(self, seed: int = 0, **pricing: float):
-        """`pricing`: `prefix_affinity`'s `decode_weight`, `balance_ratio` and `balance_tokens`."""
-        super().__init__(seed, **pricing)
+    def __init__(
+        self,
+        seed: int = 0,
+        placement_slack: float = 512.0,
+        miss_weight: float = 2.0,
+        balance_tokens: float = 4096.0,
+        **pricing: float,
+    ):
+        """`pricing`: `prefix_affinity`'s `decode_weight` and `balance_ratio`."""
+        super().__init__(seed, miss_weight=miss_weight, balance_tokens=balance_tokens, **pricing)
+        self.placement_slack = placement_slack
         self.index = BlockIndex()  # until the router attaches its own
         self.in_flight = InFlightBlocks()
-        self._matched: dict[str, int] = {}  # the last scoring's matches, for `remember`
 
     def attach_block_index(self, index: BlockIndex) -> None:
         self.index = index
 
-    def matched(self, request: RouteRequest, views: list[ReplicaView]) -> dict[str, int]:
+    def cached_blocks(self, request: RouteRequest, views: list[ReplicaView]) -> dict[str, int]:
         cacheable = _cacheable(request)
-        self._matched = self.index.matched_blocks(cacheable, [v.replica_id for v in views])
+        matched = self.index.matched_blocks(cacheable, [v.replica_id for v in views])
         for replica_id, n in self.in_flight.matched_blocks(cacheable).items():
-            if n > self._matched.get(replica_id, n):  # a replica not in `views` is left out
-                self._matched[replica_id] = n
-        return self._matched
+            if n > matched.get(replica_id, n):  # a replica not in `views` is left out
+                matched[replica_id] = n
+        return matched
 
     def remember(self, request: RouteRequest, replica_id: str) -> None:
-        self.index.touch(replica_id, request.block_hashes[: self._matched.get(replica_id, 0)])
+        self.index.touch(replica_id, request.block_hashes[: self.matched_blocks(request, replica_id)])
         self.in_flight.add(request.request_id, replica_id, _cacheable(request))
 
     def completed(self, request_id: str, output_len: int | None) -> None:
         super().completed(request_id, output_len)
         self.in_flight.remove(request_id)
 
-    def _pick(self, scores: list[float]) -> int:
-        best = min(scores)
-        return self.rng.choice([i for i, s in enumerate(scores) if s == best])
+    def choose(self, request: RouteRequest, views: list[ReplicaView]) -> tuple[int, list[float]]:
+        scores = self.scores(request, views)
+        best = min(range(len(scores)), key=scores.__getitem__)
+        depth = self.matched_blocks(request, views[best].replica_id)
+        near = [
+            i
+            for i, s in enumerate(scores)
+            if s <= scores[best] + self.placement_slack and self.matched_blocks(request, views[i].replica_id) == depth
+        ]
+        held = {
+            i: self.index.num_blocks(views[i].replica_id) + self.in_flight.num_blocks(views[i].replica_id) for i in near
+        }
+        fewest = min(held.values())
+        return self.rng.choice([i for i in near if held[i] == fewest]), scores
+
+
+class PredictedLatency(PrecisePrefix):
+    """The lowest predicted TTFT among the replicas whose predicted TPOT meets `tpot_slo` (every
+    replica, when none does): each replica's queue walked step by step at its own step prices,
+    corrected by its observed error (`router.predicted_latency.LatencyModel`), with prompt
+    prefixes as `precise_prefix` knows them. Score: the predicted TTFT in seconds (+inf: over
+    the TPOT SLO); ties take turns, not `precise_prefix`'s placement."""
+
+    name = "predicted_latency"
+    choose = RoutingPolicy.choose
+
+    def __init__(self, seed: int = 0, tpot_slo: float = defaults.TPOT_SLO, **pricing: float):
+        """`pricing`: `precise_prefix`'s (its pending-work ledger and length estimates)."""
+        super().__init__(seed, **pricing)
+        self.latency = LatencyModel(tpot_slo)
+
+    def scores(self, request: RouteRequest, views: list[ReplicaView]) -> list[float]:
+        return self.latency.scores(request, views, self.matched(request, views), self.lengths.estimate(request))
+
+    def dispatched(self, request: RouteRequest, replica_id: str, now: float) -> None:
+        super().dispatched(request, replica_id, now)
+        self.latency.dispatched(request, replica_id, now, self.lengths.estimate(request))
+
+    def completed(self, request_id: str, output_len: int | None) -> None:
+        super().completed(request_id, output_len)
+        self.latency.completed(request_id)
+
+    def reported(self, load: LoadReport) -> None:
+        self.latency.reported(load)
+
+    def predicted_ttft(self, replica_id: str) -> float | None:
+        return self.latency.predicted_ttft(replica_id)
 
 
 def _cacheable(request: RouteRequest) -> tuple[int, ...]:
@@ -304,6 +413,7 @@ ROUTING_POLICIES: Registry[type[RoutingPolicy]] = Registry.of_named(
         PredictedLength,
         PrefixAffinity,
         PrecisePrefix,
+        PredictedLatency,
     ),
 )
 

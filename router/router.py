@@ -22,8 +22,8 @@ from protocol.records import Decision
 from protocol.routing import RouteRequest
 from router.block_index import BlockIndex
 from router.errors import RoutingError
-from router.load import LoadView
-from router.policies import DEFAULT_POLICY, make_routing_policy
+from router.load import LoadView, ReplicaView
+from router.policies import DEFAULT_POLICY, RoutingPolicy, make_routing_policy
 
 
 class Router:
@@ -79,26 +79,35 @@ class Router:
         views = [v for v in self.load.views(now) if v.replica_id not in self.down]
         self._check_capacity(views)
         views = [v for v in views if v.in_flight < self.max_in_flight_per_replica]
-        index, scores = self.policy.choose(request, views)
+        policy, views, index, scores = self._choose(request, views)
         ages = []
-        if self.policy.uses_load:
+        if policy.uses_load:
             ages = [v.report_age for v, s in zip(views, scores) if v.report_age is not None and not math.isinf(s)]
         decision = Decision(
             request_id=request.request_id,
             replica_id=views[index].replica_id,
             time=now,
-            policy=self.policy.name,
+            policy=policy.name,
             scores={v.replica_id: s for v, s in zip(views, scores)},
             signal_age=max(ages) if ages else None,
             in_flight={v.replica_id: v.in_flight for v in views},
+            predicted_ttft=policy.predicted_ttft(views[index].replica_id),
+            believed_cached=policy.believed_cached(request, views[index].replica_id),
         )
         self.load.dispatched(decision.replica_id, request.request_id)
-        self.policy.dispatched(request, decision.replica_id, now)
+        policy.dispatched(request, decision.replica_id, now)
         if len(self._decisions) == self._decisions.maxlen:
             self.decisions_dropped += 1
         self._decisions.append(decision)
         self.routed += 1
         return decision
+
+    def _choose(self, request: RouteRequest, views: list[ReplicaView]) -> tuple[RoutingPolicy, list, int, list[float]]:
+        """The policy that chose, the replicas it chose among, the index of its choice and its
+        scores: here the one policy over every replica (a two-pool router picks a pool first,
+        `router.pd_router`)."""
+        index, scores = self.policy.choose(request, views)
+        return self.policy, views, index, scores
 
     def _check_capacity(self, views: list) -> None:
         """OverloadedError when no replica is up, `max_in_flight` is reached, or every replica
@@ -163,7 +172,10 @@ class Router:
             raise RoutingError(f"a load report must be a LoadReport, got {type(load).__name__}")
         if load.kv_events is not None and self.load.knows(load.replica_id):
             self.block_index.apply(load.replica_id, load.kv_events)  # in batch order, even from a stale report
-        return self.load.update(load)
+        kept = self.load.update(load)
+        if kept:
+            self.policy.reported(load)
+        return kept
 
     def drain_decisions(self) -> list[Decision]:
         drained = list(self._decisions)

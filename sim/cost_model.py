@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from protocol.cost import LinearCostModel, StepFeatures
 from replica.errors import ConfigError
-from replica.model.fake import LinearCostModel, StepFeatures
 
 FEATURES = ("decode_tokens", "prefill_tokens", "context_tokens", "padding_rows")
 

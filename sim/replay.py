@@ -73,4 +73,5 @@ def request_trace(request: Request, end: float, replica: str | None = None) -> R
         request.num_prompt_tokens,
         replica,
         request.num_preemptions,
+        cached_tokens=request.num_cached_prompt_tokens,
     )

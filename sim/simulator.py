@@ -28,7 +28,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator
 
 from metrics.definitions import RequestTrace
 from metrics.recording import record_run
@@ -59,6 +59,11 @@ class SimulationConfig(BaseModel):
     routing_policy: str = Field(DEFAULT_POLICY, description="router policy (see router.policies.ROUTING_POLICIES)")
     seed: int = Field(0, description="seeds the prompts (as the driver does) and the router's policy")
     vocab_size: int = Field(1000, gt=100, description="token ids of the simulated model")
+    cost_scales: list[PositiveFloat] | None = Field(
+        None,
+        min_length=1,
+        description="replicas of different speeds: replica i's step times x cost_scales[i] (repeating past the list)",
+    )
 
     @field_validator("routing_policy")
     @classmethod
@@ -135,7 +140,9 @@ class Simulator:
 
     def _make_replica(self, index: int, replica_id: str) -> _Replica:
         clock = FakeClock()
-        runner = SimulationRunner(clock, self.cost, vocab_size=self.config.vocab_size)
+        scales = self.config.cost_scales
+        cost = self.cost if scales is None else self.cost.scaled(scales[index % len(scales)])
+        runner = SimulationRunner(clock, cost, vocab_size=self.config.vocab_size)
         return _Replica(index, replica_id, clock, Engine(self.config.engine, runner, clock))
 
     # ---- the event loop --------------------------------------------------------------------

@@ -49,7 +49,7 @@ def test_bf16_packed_and_int8_products_match_fp32(rows):
     ref = F.linear(x, w, b)
     fp32 = Linear(w, b)
     bf16 = Linear(w.bfloat16(), b.bfloat16())
-    int8 = Linear(w.bfloat16(), b.bfloat16(), int8_rows=3)
+    int8 = Linear(w.bfloat16(), b.bfloat16(), int8_rows=3, measure_int8=False)
     assert fp32.packed and bf16.packed == can_pack(w.bfloat16())
     torch.testing.assert_close(fp32(x), ref, rtol=1e-4, atol=1e-4)
     scale = ref.abs().max().item()
@@ -190,9 +190,35 @@ def test_linear_adds_the_residual_on_every_path():
     """Linear(x, residual=r) is x W^T + b + r packed, plain, int8 and with a bias."""
     torch.manual_seed(0)
     w, b, x, r = torch.randn(40, 24), torch.randn(40), torch.randn(3, 24), torch.randn(3, 40)
-    for lin in (Linear(w, b), Linear(w), Linear(w, b, pack=False), Linear(w, b, int8_rows=4)):
+    for lin in (Linear(w, b), Linear(w), Linear(w, b, pack=False), Linear(w, b, int8_rows=4, measure_int8=False)):
         plain = lin(x)
         torch.testing.assert_close(lin(x, residual=r), plain + r, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_rows_follow_the_crossover_measured_here(monkeypatch, tmp_path):
+    """int8_rows is a bound: the copy serves up to the row count where it was measured to beat the
+    dense product on this machine, which is written to the cache and read back by the next Linear
+    of that shape (so a start measures once); where it never pays, no copy is kept."""
+    from replica.model import linear
+
+    monkeypatch.setenv("SLOTSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(linear, "_CROSSOVERS", {})
+    torch.manual_seed(0)
+    w = torch.randn(256, 128).bfloat16()
+    first = Linear(w, int8_rows=64)
+    cached = json.loads((tmp_path / linear.CROSSOVER_FILE).read_text())
+    assert list(cached.values()) == [first.int8_rows] and first.int8_rows in (0, *linear.CROSSOVER_ROWS)
+    assert (first.int8 is None) == (first.int8_rows == 0)
+    key = next(iter(cached))
+    for measured, bound, want in ((8, 64, 8), (8, 3, 3), (0, 64, 0)):
+        (tmp_path / linear.CROSSOVER_FILE).write_text(json.dumps({key: measured}))
+        monkeypatch.setattr(linear, "_CROSSOVERS", {})
+        got = Linear(w, int8_rows=bound)
+        assert got.int8_rows == want and (got.int8 is None) == (want == 0)
+        x = torch.randn(want or 1, 128).bfloat16()
+        torch.testing.assert_close(
+            got(x).float(), got.dense(x).float(), rtol=0.05, atol=0.05 * got(x).abs().max().item()
+        )
 
 
 def test_greedy_agreement_counts_identical_requests():

@@ -15,6 +15,7 @@ from experiments.plan import plan_experiment
 from experiments.run import run_experiment
 from metrics.plots import slot_spans
 from metrics.store import MetricsStore, open_store
+from workloads.experiment import ExperimentError
 from workloads.prefixes import best_prefix_hit_rate
 
 EXPERIMENT = """\
@@ -114,6 +115,17 @@ def test_token_budget_axis_multiplies_only_policies_that_read_it(tmp_path):
         ("chunked", 64, 7),
     ]
     assert [plan.engine_config(c).token_budget for c in plan.cells[1:]] == [32, 64]
+
+
+def test_loads_override_replaces_the_files_load_axis_and_is_checked(tmp_path):
+    """--loads reruns chosen loads of a file (as --seeds does seeds): the cells take the given
+    loads only, and a load the file could not hold is refused the same way."""
+    path = write(tmp_path, EXPERIMENT)
+    plan = plan_experiment(path, seeds=[0], loads=[0.8])
+    assert {c.load for c in plan.cells} == {0.8}
+    assert len(plan.cells) == len(plan_experiment(path, seeds=[0]).cells) // 2
+    with pytest.raises(ExperimentError, match="sweep.load"):
+        plan_experiment(path, loads=[-1.0])
 
 
 def test_workload_axis_sweeps_the_standard_workloads_arguments(tmp_path):

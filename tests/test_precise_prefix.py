@@ -10,6 +10,9 @@ from collections import Counter
 
 import pytest
 
+from metrics.definitions import RequestTrace
+from metrics.goodput_report import analyze, index_staleness
+from metrics.store import open_store
 from protocol.blocks import block_hashes
 from protocol.clock import FakeClock
 from protocol.messages import KvEvents, LoadReport
@@ -24,7 +27,7 @@ from replica.serving.loop import AsyncEngine
 from router.block_index import BlockIndex
 from router.router import Router
 from sim.cost_model import FittedCostModel
-from sim.simulator import SimulationConfig, Simulator, measure_capacity
+from sim.simulator import SimulationConfig, Simulator, measure_capacity, record_simulation
 from workloads.prefixes import best_prefix_hit_rate
 from workloads.standard import standard_spec
 
@@ -164,22 +167,23 @@ def indexed_router(holdings: dict[str, int], pending: dict[str, int] | None = No
 
 def test_precise_prefix_takes_the_longest_cached_prefix():
     """Equal load: the replica holding three of the prompt's blocks beats the one holding one;
-    the score is prompt tokens outside the cached prefix (the last block is always computed)."""
+    the score is prompt tokens outside the cached prefix (the last block is always computed),
+    each priced at twice a token of pending work."""
     router, request = indexed_router({"r0": 1, "r1": 3, "r2": 0})
     decision = router.route(request)
     assert decision.replica_id == "r1"
     assert decision.scores["r1"] < decision.scores["r0"] < decision.scores["r2"]
-    assert decision.scores["r2"] - decision.scores["r1"] == 48
+    assert decision.scores["r2"] - decision.scores["r1"] == 2 * 48
 
 
 def test_imbalance_guard_spills_a_hot_prefix():
     """The replica holding the prefix is skipped (+inf) once its pending work passes 1.5 x the
-    least plus 1,024 tokens; below it, it wins while its pending work costs less than the 48
-    prompt tokens its cache saves, and loses once it costs more."""
-    router, request = indexed_router({"r0": 0, "r1": 3}, pending={"r1": 2000})
+    least plus 4,096 tokens; below it, it wins while its pending work costs less than the 48
+    prompt tokens its cache saves (at twice a token of pending work), and loses once it costs more."""
+    router, request = indexed_router({"r0": 0, "r1": 3}, pending={"r1": 5000})
     decision = router.route(request)
     assert decision.replica_id == "r0" and decision.scores["r1"] == float("inf")
-    for pending, winner in ((40, "r1"), (60, "r0")):
+    for pending, winner in ((90, "r1"), (100, "r0")):
         router, request = indexed_router({"r0": 0, "r1": 3}, pending={"r1": pending})
         assert router.route(request).replica_id == winner
 
@@ -195,7 +199,7 @@ def test_a_request_in_flight_counts_as_cached_before_any_event():
     router.report(LoadReport(first, 0, 1, 7, 8, 4096, 1.0, tokens_made={"a": 1}))
     second = router.route(RouteRequest("b", 1025, 8, block_hashes=hashes, block_size=16))
     assert second.replica_id == first and router.block_index.num_blocks(first) == 0
-    assert all(s == 1025.0 for r, s in second.scores.items() if r != first) and second.scores[first] < 1025.0
+    assert all(s == 2050.0 for r, s in second.scores.items() if r != first) and second.scores[first] < 2050.0
     router.complete("a", first, 8)
     router.complete("b", first, 8)
     third = router.route(RouteRequest("c", 1025, 8, block_hashes=hashes, block_size=16))
@@ -222,6 +226,50 @@ def test_misses_are_spread_at_random_among_the_least_loaded():
     assert misses(0) == chosen and misses(1) != chosen
 
 
+def test_new_prefixes_partition_over_the_replicas_instead_of_piling():
+    """Eight new 256-token prefixes in turn on four idle replicas whose K/V events then report
+    each computed prefix: every new prefix goes to a replica whose cache holds the fewest
+    blocks, so each replica ends up with two prefixes and no prefix is computed twice; a second
+    request of each prefix follows it to its replica."""
+    replicas = ["r0", "r1", "r2", "r3"]
+    router = Router(replicas, "precise_prefix", FakeClock(), seed=5)
+    seq = dict.fromkeys(replicas, 0)
+    for rid in replicas:
+        router.report(report(rid, 0.0, KvEvents(0, stored=[], reset=True)))
+    owner = {}
+    for k in range(8):
+        hashes = block_hashes([k] * 256 + [999], 16)
+        chosen = router.route(RouteRequest(f"p{k}", 257, 8, block_hashes=tuple(hashes), block_size=16)).replica_id
+        seq[chosen] += 1
+        router.report(report(chosen, 0.1 * (k + 1), KvEvents(seq[chosen], stored=hashes[:16])))
+        router.complete(f"p{k}", chosen, 8)
+        owner[k] = chosen
+    assert Counter(owner.values()) == dict.fromkeys(replicas, 2)
+    assert all(router.block_index.num_blocks(r) == 32 for r in replicas)
+    for k in range(8):
+        hashes = block_hashes([k] * 256 + [555], 16)
+        again = router.route(RouteRequest(f"q{k}", 257, 8, block_hashes=tuple(hashes), block_size=16))
+        assert again.replica_id == owner[k]
+        router.complete(f"q{k}", again.replica_id, 8)
+
+
+def test_a_hit_stays_on_its_replica_while_it_prefills_another_miss():
+    """Moderate load: the replica holding a 1,024-token prefix has another request's 1,100 prompt
+    tokens still to prefill while three replicas are idle. Waiting for them costs less than
+    computing the prefix again elsewhere (and evicting another replica's prefixes for it), so the
+    hit stays; only past the imbalance guard does it spill."""
+    prompt = list(range(1040))
+    hashes = block_hashes(prompt, 16)
+    for pending, stays in ((1100, True), (6000, False)):
+        router = Router(["r0", "r1", "r2", "r3"], "precise_prefix", FakeClock(), seed=0)
+        router.report(report("r0", 0.0, KvEvents(0, stored=hashes[:64], reset=True), pending))
+        for rid in ("r1", "r2", "r3"):
+            router.report(report(rid, 0.0, KvEvents(0, stored=[], reset=True)))
+        decision = router.route(RouteRequest("q", 1040, 8, block_hashes=tuple(hashes), block_size=16))
+        assert (decision.replica_id == "r0") == stays
+        assert decision.believed_cached == (1024 if stays else 0)
+
+
 COST = FittedCostModel(c0=0.02, c_decode=0.004, c_prefill=0.001, c_ctx=0.0, c_held=0.0)
 ENGINE = EngineConfig(
     policy="chunked", num_slots=8, max_seq_len=1536, kv_cache="paged", prefix_caching=True, kv_budget_tokens=5632
@@ -245,6 +293,45 @@ def test_precise_beats_approximate_on_kv_pressure_in_the_simulator():
         assert index.gaps == 0 and index.ignored == 0 and all(index.num_blocks(f"r{i}") > 0 for i in range(4))
     assert rates["precise_prefix"] > rates["prefix_affinity"] > rates["least_loaded"]
     assert rates["precise_prefix"] <= best_prefix_hit_rate(workload, 1, config.vocab_size, 16)
+
+
+def test_index_staleness_counts_what_was_believed_and_not_found():
+    """Three requests a router believed had 64, 32 and 0 cached tokens on their replicas, which
+    found 48, 48 and 16 at admission (a moved request's last decision counts; a request without
+    an admission count is left out): of the 96 tokens believed, 80 were there."""
+    traces = [
+        RequestTrace("a", 0.0, [1.0], 1.0, "length", 80, "r0", cached_tokens=48),
+        RequestTrace("b", 0.0, [1.0], 1.0, "length", 80, "r1", cached_tokens=48),
+        RequestTrace("c", 0.0, [1.0], 1.0, "length", 80, "r2", cached_tokens=16),
+        RequestTrace("d", 0.0, [], 1.0, "rejected", 80, None),
+    ]
+    decisions = [
+        {"request_id": "a", "believed_cached": 16},
+        {"request_id": "a", "believed_cached": 64},  # moved: this one counts
+        {"request_id": "b", "believed_cached": 32},
+        {"request_id": "c", "believed_cached": 0},
+        {"request_id": "d", "believed_cached": 64},
+    ]
+    assert index_staleness(traces, decisions) == {"staleness": 1 - 80 / 96, "requests": 2, "believed": 96, "found": 80}
+    assert index_staleness(traces[2:], decisions)["staleness"] is None
+
+
+def test_a_simulated_run_stores_belief_and_admission_counts(tmp_path):
+    """The simulator's router logs what precise_prefix believed cached on each chosen replica and
+    the replica's first admission what its cache held; both reach the store, and the report reads
+    the staleness from them (the precise index is right about nearly every block it names)."""
+    config = SimulationConfig(num_replicas=4, engine=ENGINE, routing_policy="precise_prefix", seed=0)
+    workload = (
+        standard_spec("kv-pressure", num_requests=60, seed=0).at_load(0.8, measure_capacity(config, COST)).build()
+    )
+    result = Simulator(workload, config, COST).run()
+    store = open_store(tmp_path / "s.db")
+    run_id = record_simulation(store, result, "kv")
+    rows = store.requests(run_id)
+    assert all(r["cached_tokens"] is not None for r in rows) and any(r["cached_tokens"] >= 1024 for r in rows)
+    assert any(d["believed_cached"] for d in store.decisions(run_id))
+    staleness = analyze(store, run_id)["index_staleness"]
+    assert staleness["requests"] > 30 and staleness["staleness"] < 0.05
 
 
 def test_a_snapshot_asked_of_the_serving_loop_goes_on_its_next_report():

@@ -446,7 +446,10 @@ def test_router_actor_routes_and_ships_decisions_to_the_store(dummy_actors):
         (2, "c", "round_robin"),
     ]
     row = rows[0][1]
-    assert set(row) == {"request_id", "time", "policy", "replica_id", "scores", "signal_age", "in_flight"}
+    assert set(row) == {
+        *("request_id", "time", "policy", "replica_id", "scores", "signal_age", "in_flight"),
+        *("predicted_ttft", "believed_cached"),
+    }
     assert row["replica_id"] == "r1" and row["policy"] == "least_loaded"
     assert json.loads(row["scores"]) == {"r0": 5.0, "r1": 1.0}
     assert json.loads(row["in_flight"]) == {"r0": 0, "r1": 1}

@@ -85,8 +85,9 @@ class ClusterSection(_Section):
     `fake_step_seconds`, or priced by its work by `cost_model` (a `slotserve calibrate` JSON),
     on the wall clock. `cost_model` is also what `--simulate` pays per step (else the flat cost
     of the fake model); `cost_scale` multiplies its step times (0.25 plays the calibrated
-    machine four times faster, with the same relative costs). `engine` takes any other
-    EngineConfig field (max_wait, kv_budget_tokens, kv_cache, block_size, prefix_caching)."""
+    machine four times faster, with the same relative costs), or `cost_scales` each replica's
+    (replicas of different speeds). `engine` takes any other EngineConfig field (max_wait,
+    kv_budget_tokens, kv_cache, block_size, prefix_caching)."""
 
     replicas: PositiveInt = 2
     slots: PositiveInt = Field(defaults.NUM_SLOTS, description="slots per replica, unless sweep.slots is given")
@@ -100,11 +101,18 @@ class ClusterSection(_Section):
         None, min_length=1, description="cost model JSON: what --simulate and the fake model pay per step"
     )
     cost_scale: PositiveFloat = Field(1.0, description="the cost model's step times x this")
+    cost_scales: list[PositiveFloat] | None = Field(
+        None, description="replicas of different speeds: replica i's step times x cost_scales[i], not cost_scale"
+    )
     dtype: defaults.Dtype = defaults.DTYPE
     device: str = "auto"
     num_cpus: PositiveFloat = Field(1.0, description="Ray CPUs per replica (= its torch threads)")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per replica (1 puts the model on cuda)")
     engine: dict[str, Any] = Field(default_factory=dict)
+    autoscale: dict[str, Any] | None = Field(
+        None,
+        description="policy, min, max and the rest of an autoscaling.policies.AutoscaleConfig (checked by the plan)",
+    )
 
     @model_validator(mode="after")
     def _fake_step_with_fake_model(self) -> ClusterSection:
@@ -112,6 +120,13 @@ class ClusterSection(_Section):
             raise ValueError('only model "fake" takes fake_step_seconds')
         if self.model == "fake" and (self.fake_step_seconds is None) == (self.cost_model is None):
             raise ValueError('model "fake" needs exactly one of fake_step_seconds (a flat step) and cost_model')
+        if self.cost_scales is not None:
+            if self.model != "fake":
+                raise ValueError('cost_scales sets fake replicas\' speeds: only model "fake" takes it')
+            if len(self.cost_scales) != self.replicas:
+                raise ValueError(f"cost_scales needs one scale per replica ({self.replicas}), got {self.cost_scales}")
+            if "cost_scale" in self.model_fields_set:
+                raise ValueError("give cost_scale (every replica) or cost_scales (one per replica), not both")
         return self
 
 
@@ -228,20 +243,23 @@ def load_experiment(
     batching: Collection[str],
     routing: Collection[str],
     seeds: list[int] | None = None,
+    loads: list[float] | None = None,
     allow_outside_paths: bool = False,
 ) -> Experiment:
     """Read, validate and build an experiment file (`.toml`, `.yaml` or `.yml`; parsed, never
     executed): every key, the policy names (against `batching` and `routing`), and the workload
-    of every seed. `seeds` replaces the file's sweep.seeds (a command-line override); paths in
-    the file stay inside its folder unless `allow_outside_paths`."""
+    of every seed. `seeds` and `loads` replace the file's sweep.seeds and sweep.load (command-line
+    overrides, checked like the file's own); paths in the file stay inside its folder unless
+    `allow_outside_paths`."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as err:
         raise ExperimentError(f"{path}: cannot read the experiment file: {err.strerror}") from None
     data, lines = _parse(path, text)
-    if seeds is not None and isinstance(data.get("sweep", {}), dict):
-        data["sweep"] = {**data.get("sweep", {}), "seeds": seeds}
+    overrides = {key: value for key, value in (("seeds", seeds), ("load", loads)) if value is not None}
+    if overrides and isinstance(data.get("sweep", {}), dict):
+        data["sweep"] = {**data.get("sweep", {}), **overrides}
     try:
         experiment = Experiment.model_validate(data, context={"batching": batching, "routing": routing})
     except ValidationError as err:

@@ -42,6 +42,68 @@ static inline void axpy(float* acc, float p, const T* v, int64_t D) {
   for (; d < D; ++d) acc[d] += p * to_float(v[d]);
 }
 
+// score[g * len + l] = q_g . k_l for the G query heads sharing one K/V head (q fp32, scaled).
+// Where D is 16 C values (C up to 8, known when compiled so a key stays in registers), each key is
+// widened to fp32 once for all G heads; the sums are the same FMAs in the same order as `dot`'s,
+// so either path gives the same scores.
+#if defined(__AVX512F__)
+template <int C, typename T>
+static void scores_c(const float* qf, const T* k, int64_t len, int64_t G, float* score) {
+  constexpr int64_t D = 16 * C;
+  for (int64_t l = 0; l < len; ++l) {
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load16(k + l * D + 16 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      __m512 acc = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kv[c], acc);
+      score[g * len + l] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+// acc[g] += sum_l p[g * len + l] * v_l, each value widened once for all G heads (as `scores_c`).
+template <int C, typename T>
+static void weighted_sum_c(const float* p, const T* v, int64_t len, int64_t G, float* acc) {
+  constexpr int64_t D = 16 * C;
+  for (int64_t l = 0; l < len; ++l) {
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(v + l * D + 16 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * len + l]);
+      float* ag = acc + g * D;
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(pg, vv[c], _mm512_loadu_ps(ag + 16 * c)));
+    }
+  }
+}
+#endif
+
+template <typename T>
+static void scores(const float* qf, const T* k, int64_t len, int64_t G, int64_t D, float* score) {
+#if defined(__AVX512F__)
+  switch (D) {
+    case 32: return scores_c<2>(qf, k, len, G, score);
+    case 64: return scores_c<4>(qf, k, len, G, score);
+    case 128: return scores_c<8>(qf, k, len, G, score);
+  }
+#endif
+  for (int64_t l = 0; l < len; ++l)
+    for (int64_t g = 0; g < G; ++g) score[g * len + l] = dot(qf + g * D, k + l * D, D);
+}
+
+template <typename T>
+static void weighted_sum(const float* p, const T* v, int64_t len, int64_t G, int64_t D, float* acc) {
+#if defined(__AVX512F__)
+  switch (D) {
+    case 32: return weighted_sum_c<2>(p, v, len, G, acc);
+    case 64: return weighted_sum_c<4>(p, v, len, G, acc);
+    case 128: return weighted_sum_c<8>(p, v, len, G, acc);
+  }
+#endif
+  for (int64_t l = 0; l < len; ++l)
+    for (int64_t g = 0; g < G; ++g) axpy(acc + g * D, p[g * len + l], v + l * D, D);
+}
+
 // out[rows[i], h * D:(h + 1) * D] = softmax(q[rows[i], h] . K[slot, kvh, :len]^T * scale) V[slot, kvh, :len]
 template <typename T>
 static void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
@@ -65,8 +127,7 @@ static void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qp[row * qs0 + (kvh * G + g) * qs1 + d]) * fscale;
       score.resize(G * len);
-      for (int64_t l = 0; l < len; ++l)
-        for (int64_t g = 0; g < G; ++g) score[g * len + l] = dot(qf.data() + g * D, kp + base + l * D, D);
+      scores(qf.data(), kp + base, len, G, D, score.data());
       for (int64_t g = 0; g < G; ++g) {
         float* sg = score.data() + g * len;
         float m = sg[0], sum = 0.f;
@@ -80,8 +141,7 @@ static void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
         for (int64_t l = 0; l < len; ++l) sg[l] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t l = 0; l < len; ++l)
-        for (int64_t g = 0; g < G; ++g) axpy(acc.data() + g * D, score[g * len + l], vp + base + l * D, D);
+      weighted_sum(score.data(), vp + base, len, G, D, acc.data());
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) op[row * os0 + (kvh * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
     }

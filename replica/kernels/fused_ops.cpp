@@ -1,10 +1,53 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
-static inline float to_float(float x) { return x; }
-static inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+// Every kernel computes in fp32 on rows converted into a float buffer, in plain loops the compiler
+// vectorizes for this CPU (-march=native: AVX-512 where it has it, AVX2 otherwise): bf16 -> fp32 is
+// a shift, fp32 -> bf16 rounds to nearest even as c10::BFloat16 does (finite values: -ffast-math),
+// and exp is libmvec's vector exp. fp32 rows are read in place.
+static inline void to_floats(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+static inline void to_floats(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = static_cast<uint32_t>(s[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    dst[i] = f;
+  }
+}
+static inline void from_floats(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+static inline void from_floats(const float* src, at::BFloat16* dst, int64_t n) {
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, src + i, sizeof(u));
+    d[i] = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+}
+
+// A row of n values as floats: the row itself (fp32) or a converted copy in `buf` (bf16).
+static inline const float* floats(const float* src, float*, int64_t) { return src; }
+static inline const float* floats(const at::BFloat16* src, float* buf, int64_t n) {
+  to_floats(src, buf, n);
+  return buf;
+}
+
+template <typename T>
+static std::vector<float> table_floats(const T* p, int64_t n) {
+  std::vector<float> out(n);
+  to_floats(p, out.data(), n);
+  return out;
+}
 
 // qkv: [T, (H + 2 KV) * D]. Rows of Q and K heads rotated in place when cos is given
 // (y[d] = x[d] cos[d] + x[(d + D/2) % D] sin[d], sin's first half negated); K and V rows
@@ -24,17 +67,21 @@ static void rope_write_impl(at::Tensor& qkv, const at::Tensor& positions, const 
   const T* cosp = cos ? cos->data_ptr<T>() : nullptr;
   const T* sinp = sin ? sin->data_ptr<T>() : nullptr;
   at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
-    float tmp[1024];
+    std::vector<float> buf(4 * D);
+    float *x = buf.data(), *y = x + D, *cbuf = y + D, *sbuf = cbuf + D;
     for (int64_t t = begin; t < end; ++t) {
       T* row = base + t * stride;
       if (cosp) {
-        const T* c = cosp + pp[t] * D;
-        const T* s = sinp + pp[t] * D;
+        const float* c = floats(cosp + pp[t] * D, cbuf, D);
+        const float* s = floats(sinp + pp[t] * D, sbuf, D);
         for (int64_t h = 0; h < H + KV; ++h) {
-          T* x = row + h * D;
-          for (int64_t d = 0; d < D; ++d)
-            tmp[d] = to_float(x[d]) * to_float(c[d]) + to_float(x[(d + half) % D]) * to_float(s[d]);
-          for (int64_t d = 0; d < D; ++d) x[d] = static_cast<T>(tmp[d]);
+          T* head = row + h * D;
+          to_floats(head, x, D);
+#pragma omp simd
+          for (int64_t d = 0; d < half; ++d) y[d] = x[d] * c[d] + x[d + half] * s[d];
+#pragma omp simd
+          for (int64_t d = half; d < D; ++d) y[d] = x[d] * c[d] + x[d - half] * s[d];
+          from_floats(y, head, D);
         }
       }
       for (int64_t h = 0; h < KV; ++h) {
@@ -45,7 +92,6 @@ static void rope_write_impl(at::Tensor& qkv, const at::Tensor& positions, const 
     }
   });
 }
-
 void rope_write(at::Tensor qkv, at::Tensor positions, c10::optional<at::Tensor> cos, c10::optional<at::Tensor> sin,
                 at::Tensor k_cache, at::Tensor v_cache, at::Tensor rows, at::Tensor cols, int64_t num_heads) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes());
@@ -77,6 +123,35 @@ void rope_write(at::Tensor qkv, at::Tensor positions, c10::optional<at::Tensor> 
   else TORCH_CHECK(false, "rope_write: float32 or bfloat16, got ", qkv.scalar_type());
 }
 
+// o[i] = silu(g[i]) * g[I + i] over I values, for fp32 rows.
+static void silu_row(const float* g, float* o, int64_t I) {
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) {
+    const float a = g[i];
+    o[i] = a / (1.f + std::exp(-a)) * g[I + i];
+  }
+}
+
+// The same for bf16 rows, each fp32 step rounded as scalar fp32 code rounds it, so that rounding to
+// bf16 lands where torch's own bf16 SiLU-times-up lands: exp is taken in double and stored as float
+// (libmvec's float exp is not correctly rounded), and with AVX-512 the add, division and product
+// are explicitly rounded intrinsics, which -ffast-math cannot turn into an approximate reciprocal.
+static void silu_row_rounded(const float* g, float* o, int64_t I) {
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) o[i] = static_cast<float>(std::exp(-static_cast<double>(g[i])));
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (; i + 16 <= I; i += 16) {
+    const __m512 d = _mm512_add_round_ps(one, _mm512_loadu_ps(o + i), R);
+    const __m512 q = _mm512_div_round_ps(_mm512_loadu_ps(g + i), d, R);
+    _mm512_storeu_ps(o + i, _mm512_mul_round_ps(q, _mm512_loadu_ps(g + I + i), R));
+  }
+#endif
+  for (; i < I; ++i) o[i] = g[i] / (1.f + o[i]) * g[I + i];
+}
+
 // gate_up: [T, 2 I] -> [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]
 template <typename T>
 static void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
@@ -84,14 +159,13 @@ static void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, num_rows, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(3 * I);
     for (int64_t t = begin; t < end; ++t) {
-      const T* g = gp + t * gs;
-      T* o = op + t * I;
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) {
-        const float a = to_float(g[i]);
-        o[i] = static_cast<T>(a / (1.f + std::exp(-a)) * to_float(g[I + i]));
-      }
+      const float* g = floats(gp + t * gs, buf.data(), 2 * I);
+      float* o = buf.data() + 2 * I;
+      if constexpr (std::is_same_v<T, float>) silu_row(g, o, I);
+      else silu_row_rounded(g, o, I);
+      from_floats(o, op + t * I, I);
     }
   });
 }
@@ -105,23 +179,38 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   return out;
 }
 
-// out = x * rsqrt(mean(x^2) + eps) * weight, row by row (fp32 sums for either dtype)
+// out = x * rsqrt(mean(x^2) + eps) * weight, row by row (fp32 sums for either dtype); fp32 rows
+// in place, bf16 ones through a float copy.
 template <typename T>
 static void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
   const int64_t num_rows = x.size(0), H = x.size(1), xs = x.stride(0);
   const T* xp = x.data_ptr<T>();
   const T* wp = weight.data_ptr<T>();
   T* op = out.data_ptr<T>();
+  const std::vector<float> wf = std::is_same_v<T, float> ? std::vector<float>() : table_floats(wp, H);
   at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(std::is_same_v<T, float> ? 0 : 2 * H);
     for (int64_t t = begin; t < end; ++t) {
-      const T* r = xp + t * xs;
-      float sum = 0.f;
+      if constexpr (std::is_same_v<T, float>) {
+        const float* r = xp + t * xs;
+        float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < H; ++i) sum += to_float(r[i]) * to_float(r[i]);
-      const float inv = 1.f / std::sqrt(sum / H + static_cast<float>(eps));
-      T* o = op + t * H;
+        for (int64_t i = 0; i < H; ++i) sum += r[i] * r[i];
+        const float inv = 1.f / std::sqrt(sum / H + static_cast<float>(eps));
+        float* o = op + t * H;
 #pragma omp simd
-      for (int64_t i = 0; i < H; ++i) o[i] = static_cast<T>(to_float(r[i]) * inv * to_float(wp[i]));
+        for (int64_t i = 0; i < H; ++i) o[i] = r[i] * inv * wp[i];
+      } else {
+        float *r = buf.data(), *o = r + H;
+        to_floats(xp + t * xs, r, H);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < H; ++i) sum += r[i] * r[i];
+        const float inv = 1.f / std::sqrt(sum / H + static_cast<float>(eps));
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i) o[i] = r[i] * inv * wf[i];
+        from_floats(o, op + t * H, H);
+      }
     }
   });
 }

@@ -109,14 +109,21 @@ def build_group(
 
 
 def slot_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, decode_kernel: bool
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    decode_kernel: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, heads, head_dim] -> [T, heads * head_dim]. decode_kernel: decode groups go through
+    """q: [T, heads, head_dim] -> [T, heads * head_dim], written into `out` where given (every row
+    of it: the groups cover the step's rows). decode_kernel: decode groups go through
     `decode_attention`'s kernel (the caller has checked it is available on q's device), the
     rest through SDPA."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv = num_heads // meta.q_per_kv
-    out = q.new_empty(num_tokens, num_heads * head_dim)
+    if out is None:
+        out = q.new_empty(num_tokens, num_heads * head_dim)
     for g in meta.groups:
         if decode_kernel and g.row_slots is not None:
             kernel.decode_attention(q, k_cache, v_cache, g.token_idx, g.row_slots, g.row_lengths, out)
@@ -160,12 +167,18 @@ class PagedAttentionMetadata:
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata, decode_kernel: bool
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    decode_kernel: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, heads, head_dim] -> [T, heads * head_dim]. The blocks are copied, not viewed (a
-    paged-attention kernel would read them in place); the attention itself is the slot path's."""
+    """q: [T, heads, head_dim] -> [T, heads * head_dim] (into `out` where given). The blocks are
+    copied, not viewed (a paged-attention kernel would read them in place); the attention itself
+    is the slot path's."""
     k, v = gather_blocks(k_cache, meta.block_tables), gather_blocks(v_cache, meta.block_tables)
-    return slot_attention(q, k, v, meta.dense, decode_kernel)
+    return slot_attention(q, k, v, meta.dense, decode_kernel, out)
 
 
 def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

@@ -91,13 +91,17 @@ class Decoder:
         int8_rows: int = 0,
         fused_ops: bool = True,
         decode_kernel: bool = True,
+        measure_int8: bool = True,
     ):
         self.shape = shape
         self.dtype = state["embed"].dtype
         # Matrices become Linear (prepacked where that pays, with an int8 copy for steps of at most
-        # int8_rows rows); norms, embeddings and biases stay plain.
+        # int8_rows rows, fewer where measured slower here unless measure_int8 is off); norms,
+        # embeddings and biases stay plain.
         matrices = [k for k in state if k.rsplit(".", 1)[-1] in _MATRICES]
-        self.linear = {k: Linear(state[k], state.get(k + "_bias"), pack_weights, int8_rows) for k in matrices}
+        self.linear = {
+            k: Linear(state[k], state.get(k + "_bias"), pack_weights, int8_rows, measure_int8) for k in matrices
+        }
         self.w = {k: v for k, v in state.items() if k not in matrices}
         device = state["embed"].device
         # RMSNorm, RoPE with the cache write, and SiLU-times-up as C++ kernels where they are built (CPU)
@@ -125,12 +129,13 @@ class Decoder:
         int8_rows: int = 0,
         fused_ops: bool = True,
         decode_kernel: bool = True,
+        measure_int8: bool = True,
     ) -> Decoder:
         shape = ModelShape.from_hf_config(hf_model.config)
         sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
         state = _gpt2_state(sd, shape) if shape.family == "gpt2" else _llama_state(sd, shape)
         state = {k: v.to(device, dtype).contiguous() for k, v in state.items()}
-        return cls(shape, state, pack_weights, int8_rows, fused_ops, decode_kernel)
+        return cls(shape, state, pack_weights, int8_rows, fused_ops, decode_kernel, measure_int8)
 
     # ---- the forward pass ---------------------------------------------------------------
     def _norm(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
@@ -165,7 +170,7 @@ class Decoder:
         if self.fused_ops:
             tables = rope or (None, None)
             fused_kernels.rope_write(qkv, positions, *tables, cache.k[layer], cache.v[layer], rows, cols, s.num_heads)
-            return qkv[:, :num_q].view(-1, s.num_heads, d)
+            return qkv.as_strided((qkv.shape[0], s.num_heads, d), (qkv.stride(0), d, 1))  # Q's columns: one op
         v = qkv[:, num_q + num_kv :].view(-1, s.num_kv_heads, d)
         if rope is not None:  # Q and K rotated together: one pass over both
             qk = self._rope(qkv[:, : num_q + num_kv].view(-1, s.num_heads + s.num_kv_heads, d), *rope)
@@ -198,14 +203,17 @@ class Decoder:
         paged = isinstance(meta, PagedAttentionMetadata)
         # where each row's K/V goes: (slot, position) in the slot cache, (block, offset) in the paged one
         rows, cols = (meta.block_ids, meta.block_offsets) if paged else (meta.slot_ids, positions)
+        # One attention output for every layer: each writes all its rows, and the o-projection has
+        # read them before the next layer's attention writes again.
+        attn = x.new_empty(x.shape[0], s.num_heads * s.head_dim)
         for i in range(s.num_layers):
             p = f"layers.{i}"
             h = linear[p + ".qkv"](self._norm(x, p + ".attn_norm"))
             q = self._rope_and_write(i, h, positions, rope, cache, rows, cols)
             if paged:  # read via block tables
-                attn = paged_attention(q, cache.k[i], cache.v[i], meta, self.decode_kernel)
+                paged_attention(q, cache.k[i], cache.v[i], meta, self.decode_kernel, attn)
             else:
-                attn = slot_attention(q, cache.k[i], cache.v[i], meta, self.decode_kernel)
+                slot_attention(q, cache.k[i], cache.v[i], meta, self.decode_kernel, attn)
             x = linear[p + ".o"](attn, residual=x)
             h = self._norm(x, p + ".mlp_norm")
             if s.family == "gpt2":

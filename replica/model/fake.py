@@ -4,9 +4,10 @@ The scripted runner's next token is a function of the sequence's content, so a p
 re-prefilled sequence replays exactly; its step time comes from a cost model and is paid on
 the injected clock (instantly on a FakeClock, really on a WallClock).
 
-Two cost models live here: `FlatCostModel` (every step the same: the idealised accelerator) and
-`LinearCostModel` (a step priced from its work: decode and prefill tokens, attended context,
-padding rows), whose coefficients `sim.cost_model.FittedCostModel` fits to the real engine. A
+Two cost models price the steps: `FlatCostModel` (every step the same: the idealised
+accelerator), here, and `protocol.cost.LinearCostModel` (a step priced from its work: decode and
+prefill tokens, attended context, padding rows), whose coefficients
+`sim.cost_model.FittedCostModel` fits to the real engine. A
 fake replica priced by a fitted model behaves like the real one where routing is concerned (a
 long prefill slows the step, a prefix-cache hit saves it) at none of its CPU cost."""
 
@@ -15,9 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from protocol.clock import Clock
+from protocol.cost import LinearCostModel
 from replica.scheduling.request import Request
 from replica.scheduling.scheduler import SchedulerOutput
 
@@ -25,6 +25,10 @@ from replica.scheduling.scheduler import SchedulerOutput
 class CostModel(Protocol):
     def step_time(self, out: SchedulerOutput) -> float:
         """Seconds one engine step running `out` takes."""
+        ...
+
+    def scaled(self, factor: float) -> CostModel:
+        """The same costs, every step `factor` times as long (a replica of another speed)."""
         ...
 
 
@@ -37,73 +41,13 @@ class FlatCostModel:
     def step_time(self, out: SchedulerOutput) -> float:
         return self.step_seconds
 
-
-@dataclass(frozen=True)
-class StepFeatures:
-    """What a step's time is modelled from, read off its SchedulerOutput:
-
-    - decode_tokens, prefill_tokens: rows through the weight matrices (every row costs the
-      same there, but a CPU runs small decode batches far from its FLOP roof, so the two
-      kinds get separate coefficients);
-    - context_tokens: keys attended, summed over the step's rows (SchedulerOutput.context_tokens);
-    - padding_rows: finished requests a static batch still computes (one row each, which
-      also attends its whole context)."""
-
-    decode_tokens: int
-    prefill_tokens: int
-    context_tokens: int
-    padding_rows: int
-
-    @classmethod
-    def of(cls, out: SchedulerOutput) -> StepFeatures:
-        return cls(out.num_decode_tokens, out.num_prefill_tokens, out.context_tokens, len(out.held_rows))
-
-    @classmethod
-    def of_row(cls, row: dict) -> StepFeatures:
-        """The features of a recorded step (a `steps` row of the metrics store): how a cost
-        model is fitted to real runs."""
-        return cls(
-            row["num_decode_tokens"],
-            row["num_prefill_tokens"],
-            row["context_tokens"],
-            row["computed_rows"] - row["useful_rows"],
-        )
+    def scaled(self, factor: float) -> FlatCostModel:
+        return FlatCostModel(self.step_seconds * factor)
 
 
-class LinearCostModel(BaseModel):
-    """step_time = c0 + c_decode * decode_tokens + c_prefill * prefill_tokens
-    + c_ctx * context_tokens + c_held * padding_rows (seconds; see StepFeatures), every
-    coefficient non-negative so no step is predicted to get cheaper by doing more."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    c0: float = Field(ge=0, description="seconds per step, whatever it runs")
-    c_decode: float = Field(ge=0, description="seconds per decode token")
-    c_prefill: float = Field(ge=0, description="seconds per prefill token")
-    c_ctx: float = Field(ge=0, description="seconds per attended context token")
-    c_held: float = Field(ge=0, description="seconds per padding row of a static batch")
-
-    @property
-    def coefficients(self) -> tuple[float, ...]:
-        return self.c0, self.c_decode, self.c_prefill, self.c_ctx, self.c_held
-
-    def predict(self, f: StepFeatures) -> float:
-        return (
-            self.c0
-            + self.c_decode * f.decode_tokens
-            + self.c_prefill * f.prefill_tokens
-            + self.c_ctx * f.context_tokens
-            + self.c_held * f.padding_rows
-        )
-
-    def step_time(self, out: SchedulerOutput) -> float:
-        return self.predict(StepFeatures.of(out))
-
-    def scaled(self, factor: float) -> LinearCostModel:
-        """Every step `factor` times as long: the same machine's relative costs, run faster
-        (or slower), so a wall-clock experiment on fake replicas fits its time."""
-        names = ("c0", "c_decode", "c_prefill", "c_ctx", "c_held")
-        return LinearCostModel(**{n: c * factor for n, c in zip(names, self.coefficients)})
+# K/V bytes per token a fake replica states for a hand-over: the default model's
+# (SmolLM2-135M: 30 layers, 3 K/V heads of 64, K and V) in bfloat16.
+DEFAULT_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2
 
 
 class ScriptedFakeRunner:
@@ -116,13 +60,24 @@ class ScriptedFakeRunner:
         vocab_size: int = 1000,
         eos_token_id: int | None = None,
         max_model_len: int = 4096,
+        kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
     ):
         self.clock = clock
         self.cost = cost or FlatCostModel()
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.kv_bytes_per_token = kv_bytes_per_token  # no tensors: what a hand-over of its K/V would send
         self.eos_token_ids = set() if eos_token_id is None else {eos_token_id}
         self.num_steps = 0
+
+    @property
+    def step_cost(self) -> LinearCostModel | None:
+        """Its step prices as a linear model (a flat step is one of `c0` alone), which the
+        engine puts on its load reports for a router that predicts latency; None for a cost
+        model of another shape."""
+        if isinstance(self.cost, FlatCostModel):
+            return LinearCostModel(c0=self.cost.step_seconds, c_decode=0, c_prefill=0, c_ctx=0, c_held=0)
+        return self.cost if isinstance(self.cost, LinearCostModel) else None
 
     def next_token(self, token_ids: list[int]) -> int:
         """A fixed function of the whole sequence so far."""

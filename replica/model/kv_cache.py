@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from replica.scheduling.request import Request
 from replica.scheduling.scheduler import SchedulerConfig
 from replica.scheduling.slot_table import SlotTable
 
@@ -51,6 +52,35 @@ class KVCache:
         self.k[layer][rows, :, cols] = k
         self.v[layer][rows, :, cols] = v
 
+    def places(self, request: Request, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, cols) of the request's positions [start, stop) in this layout."""
+        raise NotImplementedError
+
+    def read_tokens(self, request: Request, num_tokens: int) -> torch.Tensor:
+        """A CPU copy of the K/V of the request's first `num_tokens` positions, token-major
+        [2 (K, V), layers, tokens, kv_heads, head_dim] whatever the layout (a hand-over's)."""
+        rows, cols = self.places(request, 0, num_tokens)
+        return torch.stack([torch.stack([c[rows, :, cols] for c in cache]) for cache in (self.k, self.v)]).cpu()
+
+    def kv_mismatch(self, kv: torch.Tensor) -> str | None:
+        """Why K/V from `read_tokens` of another cache cannot be written here (None: they can;
+        another dtype is converted)."""
+        expected = (2, len(self.k), self.k[0].shape[1], self.k[0].shape[3])
+        if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != expected:
+            return f"K/V of shape {tuple(kv.shape)} do not fit this cache's (K/V, layers, heads, head_dim) {expected}"
+        return None
+
+    def write_tokens(self, request: Request, kv: torch.Tensor, start: int) -> None:
+        """Write positions [start, tokens) of `kv` (as `read_tokens` gives it) into the
+        request's rows of this cache; positions before `start` are already there."""
+        rows, cols = self.places(request, start, kv.shape[2])
+        part = kv[:, :, start:].to(device=self.k[0].device, dtype=self.k[0].dtype)
+        for layer in range(len(self.k)):
+            self.write(layer, rows, cols, part[0, layer], part[1, layer])
+
+    def _positions(self, start: int, stop: int) -> torch.Tensor:
+        return torch.arange(start, stop, device=self.k[0].device)
+
 
 class SlotKVCache(KVCache):
     def __init__(
@@ -65,6 +95,10 @@ class SlotKVCache(KVCache):
     ):
         super().__init__(num_layers, num_slots, max_seq_len, num_kv_heads, head_dim, dtype, device)
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
+
+    def places(self, request: Request, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cols = self._positions(start, stop)
+        return torch.full_like(cols, request.slot), cols
 
     def mismatch(self, config: SchedulerConfig) -> str | None:
         """Why an engine with `config` cannot use this cache (None: it can)."""
@@ -106,6 +140,11 @@ class PagedKVCache(KVCache):
     ):
         super().__init__(num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype, device)
         self.num_blocks, self.block_size, self.scratch_block = num_blocks, block_size, num_blocks
+
+    def places(self, request: Request, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = self._positions(start, stop)
+        table = torch.tensor(request.block_table, dtype=torch.long, device=positions.device)
+        return table[positions // self.block_size], positions % self.block_size
 
     def mismatch(self, config: SchedulerConfig) -> str | None:
         """Why an engine with `config` cannot use this cache (None: it can)."""

@@ -12,17 +12,36 @@ A step with few rows is bound by reading the weights, not by arithmetic, so read
 fp32's bytes (int8 with one scale per output row) can make it faster; a Linear built with
 `int8_rows=N` keeps such a copy and uses it for steps of at most N rows, through
 `replica.kernels.int8_matmul`'s kernel where it is built (`aten._weight_int8pack_mm` otherwise).
+Where the int8 product stops paying depends on the CPU (on one with AVX-512 BF16 the dense bf16
+product wins from a few rows on, on an AVX2-only one int8 pays up to a dozen or more), so by
+default N is only the most it may serve: the row count where int8 stops beating the dense product
+is measured on this machine for each weight shape (`int8_crossover`, a few seconds once, cached
+on disk), and int8 serves steps up to the lower of the two.
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from replica.kernels import int8_matmul
+from replica.kernels.cpu import cpu_info
+from replica.model.loader import cache_dir
 
 # The row count oneDNN tunes the packed layout for: a full decode batch of the default config.
 PACK_ROWS_HINT = 64
+# Row counts at which the int8 copy is timed against the dense product, in order, up to the first it loses.
+CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64)
+CROSSOVER_REPS = 5
+CROSSOVER_FILE = "int8_crossover.json"
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -49,30 +68,105 @@ def can_int8(weight: torch.Tensor) -> bool:
 
 
 class Linear:
-    """One weight matrix and its optional bias, called like F.linear."""
+    """One weight matrix and its optional bias, called like F.linear. int8_rows: keep an int8 copy
+    for steps of at most that many rows, fewer where `int8_crossover` measured it slower here
+    (`measure_int8=False` takes int8_rows as it is, as benchmarks of the int8 path do)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True, int8_rows: int = 0):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        pack: bool = True,
+        int8_rows: int = 0,
+        measure_int8: bool = True,
+    ):
         self.bias = bias
-        self.int8_rows = int8_rows if can_int8(weight) else 0
-        self.int8 = quantize_int8(weight) if self.int8_rows else None
-        self.int8_kernel = self.int8 is not None and int8_matmul.available(weight.device)
         self.packed = pack and can_pack(weight)
         # The packed copy replaces the plain one (a shared tensor, like a tied embedding, stays alive elsewhere).
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT) if self.packed else weight
+        self.int8 = quantize_int8(weight) if int8_rows and can_int8(weight) else None
+        self.int8_kernel = self.int8 is not None and int8_matmul.available(weight.device)
+        self.int8_rows = int8_rows if self.int8 is not None else 0
+        if self.int8 is not None and measure_int8:
+            self.int8_rows = min(int8_rows, int8_crossover(self, weight.shape, weight.dtype))
+            if not self.int8_rows:
+                self.int8 = None  # never pays here: no copy kept
+
+    def dense(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T + b (+ residual) without the int8 copy: on a packed weight oneDNN adds the
+        residual in the product's own pass, so the layer's residual adds cost no pass of their own."""
+        if self.packed and residual is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        y = F.linear(x, self.weight, self.bias)
+        return y if residual is None else y.add_(residual)
+
+    def quantized(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The same product through the int8 copy."""
+        if self.int8_kernel:
+            return int8_matmul.int8_linear(x, *self.int8, self.bias, residual)
+        y = torch.ops.aten._weight_int8pack_mm(x, *self.int8)
+        if self.bias is not None:
+            y += self.bias
+        return y if residual is None else y.add_(residual)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T + b, plus `residual` where given (on a packed weight oneDNN adds it in the
-        product's own pass: the layer's residual adds cost no pass of their own)."""
+        """x W^T + b, plus `residual` where given."""
         if self.int8 is not None and x.shape[0] <= self.int8_rows:
-            if self.int8_kernel:
-                return int8_matmul.int8_linear(x, *self.int8, self.bias, residual)
-            y = torch.ops.aten._weight_int8pack_mm(x, *self.int8)
-            if self.bias is not None:
-                y += self.bias
-        elif self.packed and residual is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
-        elif self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        else:
-            y = F.linear(x, self.weight, self.bias)
-        return y if residual is None else y.add_(residual)
+            return self.quantized(x, residual)
+        return self.dense(x, residual)
+
+
+def _median_seconds(fns: dict[str, Callable[[], torch.Tensor]], reps: int) -> dict[str, float]:
+    """Median seconds of each call, taken in turns so a neighbour's burst hits each alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for rep in range(reps + 1):  # the first round warms up
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            if rep:
+                times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def _crossover_key(linear: Linear, shape: torch.Size, dtype: torch.dtype) -> str:
+    cpu = hashlib.sha1(" ".join(sorted(cpu_info().flags)).encode()).hexdigest()[:8]
+    paths = ("packed" if linear.packed else "plain") + ("+kernel" if linear.int8_kernel else "+aten")
+    return f"{cpu}/torch {torch.__version__}/{torch.get_num_threads()} threads/{dtype}/{shape[0]}x{shape[1]}/{paths}"
+
+
+_CROSSOVERS: dict[str, int] = {}
+
+
+def int8_crossover(linear: Linear, shape: torch.Size, dtype: torch.dtype) -> int:
+    """The most rows of `CROSSOVER_ROWS` up to which `linear`'s int8 copy beat its dense product
+    at every count measured (0: not even at one row), timed on this machine with random rows.
+    Measured once per CPU kind, torch version, thread count, dtype, weight shape and paths; kept in
+    memory and in `cache_dir()`'s int8_crossover.json, so the next start reads it."""
+    key = _crossover_key(linear, shape, dtype)
+    path = cache_dir() / CROSSOVER_FILE
+    if key not in _CROSSOVERS:
+        try:
+            _CROSSOVERS.update(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            pass
+    if key in _CROSSOVERS:
+        return _CROSSOVERS[key]
+    best = 0
+    for rows in CROSSOVER_ROWS:
+        x = torch.randn(rows, shape[1]).to(dtype)
+        with torch.inference_mode():
+            t = _median_seconds({"dense": lambda: linear.dense(x), "int8": lambda: linear.quantized(x)}, CROSSOVER_REPS)
+        if t["int8"] >= t["dense"]:
+            break
+        best = rows
+    _CROSSOVERS[key] = best
+    try:  # written whole and renamed, so a reader never sees half a file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(_CROSSOVERS, f, indent=1, sort_keys=True)
+        os.replace(f.name, path)
+    except OSError:
+        pass  # a read-only cache: measured again next start
+    return best

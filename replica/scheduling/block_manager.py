@@ -220,6 +220,10 @@ class PagedSlotTable(SlotTable):
     def cached_prefix_tokens(self, request: Request) -> int:
         return len(self.blocks.prefix_hits(request)) * self.block_size
 
+    def shared_prefix_tokens(self, request: Request) -> int:
+        cached = [self.blocks.blocks[b].hash is not None for b in request.block_table]
+        return (cached.index(False) if False in cached else len(cached)) * self.block_size
+
     def reset_prefix_cache(self) -> int:
         return self.blocks.reset_prefix_cache()
 

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from protocol.finish import FinishReason
+from protocol.handover import Handover
 from replica.errors import InvalidRequestError
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed; past it a whole step fails
@@ -152,6 +153,14 @@ class Request:
     # Set by the engine: when each output token was made, and the detokenized text so far.
     token_times: list[float] = field(default_factory=list)
     text: str = ""
+    # Disaggregation (`replica.scheduling.handover`): hand the request over once its first token
+    # is sampled (a prefill replica's request), and the K/V it came with from another replica,
+    # written into its rows when it is admitted here (then None: a later preemption recomputes).
+    hand_over: bool = False
+    kv_in: Handover | None = None
+    # Prompt tokens the prefix cache held at the request's first admission (None before it): set
+    # once, so a router can measure what it believed cached against what was.
+    num_cached_prompt_tokens: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -169,6 +178,11 @@ class Request:
     def num_pending_tokens(self) -> int:
         """Tokens still to run through the model before the next one can be sampled."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_kv_in(self) -> int:
+        """Leading tokens whose K/V came with the request and wait to be written here."""
+        return 0 if self.kv_in is None else self.kv_in.num_kv_tokens
 
     @property
     def is_decoding(self) -> bool:

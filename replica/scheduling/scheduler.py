@@ -200,17 +200,20 @@ class Scheduler:
                 budget -= num
         if self.waiting and self._admission_open(self.clock.now()):
             for request in self._admission_order():
-                cached = self.slots.cached_prefix_tokens(request)  # prefix caching: K/V already computed
+                hit = self.slots.cached_prefix_tokens(request)  # prefix caching: K/V already computed
+                cached = max(hit, request.num_kv_in)  # or handed over with it, written on admission
                 num = int(min(request.num_pending_tokens - cached, budget))
                 if num <= 0 or not self.slots.can_admit(request, cached + num):
                     break
                 self.waiting.remove(request)
                 self.slots.admit(request, cached + num)
                 request.num_computed_tokens = cached
-                self.num_prefix_cached_tokens += cached
+                self.num_prefix_cached_tokens += hit
+                if request.num_cached_prompt_tokens is None:
+                    request.num_cached_prompt_tokens = hit
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
-                out.chunks.append(ScheduledChunk(request, cached, num, is_decode=False))
+                out.chunks.append(ScheduledChunk(request, cached, num, is_decode=request.is_decoding))
                 budget -= num
         out.chunks = self._compose(out.chunks)
         out.held_rows = list(self.held) if out.chunks else []

@@ -56,6 +56,11 @@ class SlotTable(ABC):
         """Leading tokens of `request` whose K/V admission would reuse."""
 
     @abstractmethod
+    def shared_prefix_tokens(self, request: Request) -> int:
+        """Leading tokens of an admitted request held in prefix-cache blocks, which are never
+        written again (right after admission: its prefix hits)."""
+
+    @abstractmethod
     def reset_prefix_cache(self) -> int:
         """Forget cached prefixes no request holds; how many blocks were forgotten."""
 
@@ -140,6 +145,9 @@ class TokenSlotTable(SlotTable):
 
     def cached_prefix_tokens(self, request: Request) -> int:
         return 0  # slots share nothing
+
+    def shared_prefix_tokens(self, request: Request) -> int:
+        return 0
 
     def reset_prefix_cache(self) -> int:
         return 0

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -34,6 +34,7 @@ from ray.actor import ActorHandle
 from protocol.backlog import StoreBacklog
 from protocol.errors import OverloadedError, SlotServeError
 from protocol.finish import NATURAL_ENDINGS
+from protocol.handover import Handover, KvFetch
 from protocol.messages import HealthReport, LoadReport, StreamEvent
 from protocol.records import StepRecord
 from protocol.replicas import ReplicaInfo, Resume
@@ -47,6 +48,7 @@ from replica.serving.loop import AsyncEngine, ReplicaConfig, build_engine, repor
 STEP_BATCH = 64  # step samples per store write
 MAX_OUTBOX = 4096  # step messages waiting for a client that does not read; past it its requests are aborted
 SWEEP_INTERVAL = 5.0  # seconds between checks for idle client streams
+FETCH_TIMEOUT = 30.0  # seconds a decode replica waits for a hand-over's K/V before computing them
 
 
 @dataclass
@@ -75,6 +77,8 @@ class ReplicaActor:
             replica_id=replica_id,
             max_queue=self.config.max_queue,
             stall_timeout=self.config.stall_timeout,
+            hand_over=self.config.role == "prefill",
+            handover_ttl=self.config.handover_ttl,
         )
         # live metrics: `telemetry(replica_id, engine)` builds the exporter it is given (cluster.prometheus_exporters)
         self.telemetry = telemetry(replica_id, self.serving.engine) if telemetry else ReplicaTelemetry()
@@ -148,11 +152,19 @@ class ReplicaActor:
         request_id: str,
         arrival_time: float | None = None,
         resume: Resume | None = None,
-    ) -> None:
+        handover_from: ActorHandle | None = None,
+    ) -> KvFetch | None:
         """Queue a request whose events go to `subscriber`'s stream (see `events`); `resume`
         continues one another replica started. A refused request raises its typed error here
-        (InvalidRequestError, OverloadedError, DrainingError), and the router is told it is done."""
+        (InvalidRequestError, OverloadedError, DrainingError), and the router is told it is done.
+        `handover_from`: the replica that handed it over, which holds its K/V: they are fetched
+        from it (`take_handover`) and written here, and what that came to is returned; a fetch
+        that fails (the sender gone, the hand-over expired or not matching `resume`) leaves the
+        request to compute them again from `resume`, so none is lost."""
         _check_arguments(subscriber, prompt, request_id, arrival_time)
+        handover, fetch = None, None
+        if handover_from is not None and resume is not None:
+            handover, fetch = await self._fetch(handover_from, request_id, resume)
         if request_id in self._owner:  # refused without telling the router: the one running is its
             raise InvalidRequestError("request_id", f"{request_id!r} is already running here")
         sub = self._subscribers.setdefault(subscriber, _Subscriber())
@@ -160,8 +172,8 @@ class ReplicaActor:
         sub.last_active = time.monotonic()
         self._owner[request_id] = subscriber
         try:
-            await self.serving.submit(
-                prompt, params, request_id, arrival_time, partial(self._collect, subscriber), resume
+            kv_taken = await self.serving.submit(
+                prompt, params, request_id, arrival_time, partial(self._collect, subscriber), resume, handover
             )
             self.telemetry.on_submit(request_id)
         except BaseException as err:
@@ -172,6 +184,31 @@ class ReplicaActor:
             if isinstance(err, SlotServeError) and self.router is not None:
                 self.router.complete.remote(request_id, self.replica_id)
             raise
+        if handover is not None and not kv_taken:
+            fetch = KvFetch(0, fetch.seconds, self.serving.engine.kv_transfer.unusable(handover))
+        if fetch is not None:
+            self.telemetry.on_handover(fetch)
+        return fetch
+
+    async def _fetch(self, sender: ActorHandle, request_id: str, resume: Resume) -> tuple[Handover | None, KvFetch]:
+        """The hand-over from `sender` (a direct actor call), timed; None with why when there is
+        none to use: the tokens it carries must be those the client delivered (`resume`)."""
+        start = time.perf_counter()
+        try:
+            handover = await asyncio.wait_for(sender.take_handover.remote(request_id), FETCH_TIMEOUT)
+        except Exception as err:  # noqa: BLE001 - the sender is gone or did not answer: compute them here
+            return None, KvFetch(0, time.perf_counter() - start, f"fetch failed: {type(err).__name__}")
+        seconds = time.perf_counter() - start
+        if handover is None:
+            return None, KvFetch(0, seconds, "no hand-over there (expired, or its replica restarted)")
+        if handover.output_token_ids != resume.token_ids or handover.text != resume.text:
+            return None, KvFetch(0, seconds, "the hand-over's tokens are not those delivered")
+        return handover, KvFetch(handover.nbytes, seconds)
+
+    def take_handover(self, request_id: str) -> Handover | None:
+        """A request this replica handed over (the prefill role), for the replica that
+        continues it: given once, then dropped here (None when expired or unknown)."""
+        return self.serving.take_handover(request_id)
 
     async def events(self, subscriber: str) -> AsyncIterator[list[StreamEvent]]:
         """The subscriber's event stream: one message per step, holding every token that step
@@ -242,7 +279,13 @@ class ReplicaActor:
                     self._end_stream(name, sub)
 
     def _collect(self, subscriber: str, out: RequestOutput) -> None:
-        self._pending.setdefault(subscriber, []).append(
+        first = not self._pending  # the step's first output: its others follow in this loop iteration
+        events = self._pending.setdefault(subscriber, [])
+        handed_over = out.handover is not None
+        if handed_over and (out.new_token_ids or out.new_text):  # its first token, then the hand-over
+            events.append(StreamEvent(out.request_id, self.replica_id, out.new_token_ids, out.new_text, out.time))
+            out = replace(out, new_token_ids=[], new_text="")
+        events.append(
             StreamEvent(
                 out.request_id,
                 self.replica_id,
@@ -252,14 +295,14 @@ class ReplicaActor:
                 out.finished,
                 out.finish_reason,
                 out.error,
+                handed_over=handed_over,
             )
         )
         if out.finished:
             self._owner.pop(out.request_id, None)
             if (sub := self._subscribers.get(subscriber)) is not None:
                 sub.requests.discard(out.request_id)
-        if len(self._pending) == 1 and len(self._pending[subscriber]) == 1:
-            # The step's other outputs are delivered in this same loop iteration: send them together.
+        if first:  # send the step's outputs together
             asyncio.get_running_loop().call_soon(self._send_pending)
 
     def _send_pending(self) -> None:

@@ -21,11 +21,13 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protocol.errors import DrainingError, OverloadedError
 from protocol.finish import FinishReason
+from protocol.handover import Handover
 from protocol.messages import HealthReport, LoadReport
 from protocol.rates import CompletionRate
 from protocol.records import StepRecord
@@ -56,6 +58,14 @@ class ReplicaConfig(BaseModel):
     )
     subscriber_idle_timeout: float = Field(
         300.0, gt=0, description="seconds a client's event stream stays open with no request of its in flight"
+    )
+    role: Literal["mixed", "prefill", "decode"] = Field(
+        "mixed",
+        description="prefill: compute each request's prompt and first token, then hand it over with its K/V; "
+        "decode or mixed: serve requests to the end (prefill/decode disaggregation)",
+    )
+    handover_ttl: float = Field(
+        30.0, gt=0, description="seconds a prefill replica keeps a hand-over's K/V for a decode replica to fetch"
     )
 
     @model_validator(mode="after")
@@ -103,6 +113,7 @@ class Submission:
     accepted: asyncio.Future
     sink: Callable[[RequestOutput], None]
     resume: Resume | None = None
+    handover: Handover | None = None  # queued with its K/V (`Engine.import_request`)
 
 
 @dataclass(frozen=True)
@@ -122,8 +133,15 @@ class AsyncEngine:
         replica_id: str = "replica",
         max_queue: int = 256,
         stall_timeout: float = 30.0,
+        hand_over: bool = False,
+        handover_ttl: float = 30.0,
     ):
+        """`hand_over`: the prefill role: each request ends here once its first token is out,
+        and its `Handover` waits `handover_ttl` seconds for `take_handover`."""
         self.engine = engine
+        self.hand_over = hand_over
+        self.handover_ttl = handover_ttl
+        self._handovers: dict[str, tuple[Handover, float]] = {}  # request id -> hand-over, expiry (clock)
         self.replica_id = replica_id
         self.max_queue = max_queue
         self.stall_timeout = stall_timeout
@@ -176,12 +194,15 @@ class AsyncEngine:
         arrival_time: float | None,
         sink: Callable[[RequestOutput], None],
         resume: Resume | None = None,
-    ) -> None:
+        handover: Handover | None = None,
+    ) -> bool:
         """Queue a request; once accepted, each of its outputs is passed to `sink` on the event
         loop as steps make them, the last with finished=True. Raises InvalidRequestError when
         the engine refuses it, OverloadedError when the waiting queue is full, DrainingError
         while draining. `resume`: the tokens another replica already delivered, prefilled with
-        the prompt; generation continues after them."""
+        the prompt; generation continues after them. `handover`: those tokens with their K/V
+        (the decode role); returns whether its K/V were taken in (False: they are computed
+        again, as a resumed request's)."""
         if self.draining:
             raise DrainingError(self.replica_id)
         if self.loop_error is not None:
@@ -200,11 +221,11 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         if self._task is None:
             self._task = loop.create_task(self._run())
-        sub = Submission(prompt, params, request_id, arrival_time, loop.create_future(), sink, resume)
+        sub = Submission(prompt, params, request_id, arrival_time, loop.create_future(), sink, resume, handover)
         self._inbox.append(sub)
         self.peak_queued = max(self.peak_queued, queued + 1)
         self._wake.set()
-        await sub.accepted
+        return await sub.accepted
 
     async def generate(
         self,
@@ -332,14 +353,45 @@ class AsyncEngine:
 
     def _admit(self, sub: Submission) -> None:
         try:
-            self.engine.add_request(sub.prompt, sub.params, sub.request_id, sub.arrival_time, resume=sub.resume)
+            if sub.handover is not None:
+                kv_taken = self.engine.import_request(sub.handover)
+            else:
+                kv_taken = False
+                self.engine.add_request(
+                    sub.prompt,
+                    sub.params,
+                    sub.request_id,
+                    sub.arrival_time,
+                    resume=sub.resume,
+                    hand_over=self.hand_over,
+                )
         except Exception as err:  # noqa: BLE001 - the caller gets the error; the loop goes on
             sub.accepted.set_exception(err)
             return
         self._sinks[sub.request_id] = sub.sink
-        sub.accepted.set_result(None)
+        sub.accepted.set_result(kv_taken)
+
+    def take_handover(self, request_id: str) -> Handover | None:
+        """The request's hand-over, given once to the replica that continues it (and dropped
+        here); None when there is none, or it waited past `handover_ttl` (the receiver then
+        computes the K/V again)."""
+        self._expire_handovers()
+        handover, _ = self._handovers.pop(request_id, (None, 0.0))
+        return handover
+
+    def _expire_handovers(self) -> None:
+        now = self.clock.now()
+        for request_id in [r for r, (_, expiry) in self._handovers.items() if expiry < now]:
+            del self._handovers[request_id]
+
+    @property
+    def handovers_waiting(self) -> int:
+        return len(self._handovers)
 
     def _deliver(self, output: RequestOutput) -> None:
+        if output.handover is not None:
+            self._expire_handovers()
+            self._handovers[output.request_id] = (output.handover, self.clock.now() + self.handover_ttl)
         sink = self._sinks.get(output.request_id)
         if sink is not None:
             sink(output)

@@ -1,0 +1,91 @@
+"""How well the simulator ranks an experiment's cells: the runs of one experiment file on a Ray
+cluster (`slotserve experiment FILE --store CLUSTER.db`) set against its simulated runs
+(`slotserve experiment FILE --simulate --store SIM.db`), cell by cell.
+
+A cell is a (routing, load) pair (and its batching, slots and token budget when the file sweeps
+them); its figure is the median over its seeds' complete runs, read with the SLO each run was
+recorded with. Cells run on only one side (Ray Serve's routers have no simulated twin) are listed
+and left out of the comparison. Prints per cell simulated against cluster TTFT p90 and goodput,
+then the Spearman rank correlation of each metric across the cells both sides ran (average
+ranks for ties; target for TTFT p90: at least 0.9), and the median relative error for
+information.
+
+    .venv/bin/python benchmarks/experiment_fidelity.py --cluster results/kv-pressure-cluster.db \\
+        --sim results/kv-pressure-sim.db [--experiment kv-pressure] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from benchmarks.fidelity import spearman
+from metrics.definitions import SLO
+from metrics.goodput_report import analyze
+from metrics.store import MetricsStore
+
+KEY = ("routing", "load", "batching", "slots", "token_budget", "workload")  # a cell without its seed
+METRICS = {"ttft_p90": lambda a: a["cluster"]["ttft"]["p90"], "goodput": lambda a: a["cluster"]["goodput"]}
+TARGET = 0.9  # Spearman of TTFT p90 across the cells
+
+
+def cells(path: Path, experiment: str) -> dict[tuple, dict[str, float]]:
+    """Per cell of `experiment` in the store, the median over its complete runs of each metric."""
+    store = MetricsStore(path)
+    runs: dict[tuple, list[dict[str, float]]] = {}
+    try:
+        for run in store.runs():
+            config = run["config"] or {}
+            if config.get("experiment") != experiment or not run["complete"]:
+                continue
+            a = analyze(store, run["run_id"], SLO(**(run["slo"] or {})))
+            runs.setdefault(tuple(config["cell"][k] for k in KEY), []).append({m: f(a) for m, f in METRICS.items()})
+    finally:
+        store.close()
+    return {
+        key: {m: statistics.median(r[m] for r in rs if r[m] is not None) for m in METRICS} for key, rs in runs.items()
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cluster", type=Path, required=True, help="store with the experiment's Ray-cluster runs")
+    parser.add_argument("--sim", type=Path, required=True, help="store with its simulated runs")
+    parser.add_argument("--experiment", default="kv-pressure", help="the experiment's name (its file's `name`)")
+    parser.add_argument("--json", type=Path, help="also write the cells and correlations here")
+    args = parser.parse_args()
+    real, sim = cells(args.cluster, args.experiment), cells(args.sim, args.experiment)
+    both = sorted(set(real) & set(sim), key=lambda k: (k[1] or 0, str(k[0])))
+    for side, only in (("cluster", set(real) - set(sim)), ("simulated", set(sim) - set(real))):
+        if only:
+            print(f"only {side} (left out): " + ", ".join(f"{k[0]} load={k[1]}" for k in sorted(only, key=str)))
+    if not both:
+        raise SystemExit(f"no cell of {args.experiment!r} is in both stores")
+    print(f"{'routing':<20}{'load':>6}{'TTFT p90 sim':>14}{'cluster':>9}{'goodput sim':>13}{'cluster':>9}")
+    for k in both:
+        s, r = sim[k], real[k]
+        print(
+            f"{k[0]:<20}{k[1]!s:>6}{s['ttft_p90']:>14.3f}{r['ttft_p90']:>9.3f}{s['goodput']:>13.1f}{r['goodput']:>9.1f}"
+        )
+    summary = {}
+    for m in METRICS:
+        xs, ys = [sim[k][m] for k in both], [real[k][m] for k in both]
+        rho = spearman(xs, ys)
+        error = statistics.median(abs(x - y) / y for x, y in zip(xs, ys) if y)
+        summary[m] = {"spearman": rho, "median_relative_error": error}
+        verdict = (
+            ""
+            if m != "ttft_p90"
+            else f" (target >= {TARGET}: {'MET' if rho is not None and rho >= TARGET else 'MISSED'})"
+        )
+        rho_text = "undefined" if rho is None else f"{rho:.3f}"
+        print(f"{m}: Spearman across {len(both)} cells {rho_text}{verdict}; median relative error {error:.1%}")
+    if args.json:
+        rows = [{**dict(zip(KEY, k)), "sim": sim[k], "cluster": real[k]} for k in both]
+        args.json.write_text(json.dumps({"cells": rows, "summary": summary}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""What an engine step costs, as a linear function of its work: the pricing a fake replica pays
+its steps by (`replica.model.fake`), the simulator's fitted cost model extends
+(`sim.cost_model.FittedCostModel`), and a router predicting latency prices a replica's queue by
+(`router.predicted_latency`). Here, in the bottom layer, because the replica, the simulator and
+the router all read it and the router may import nothing else of theirs.
+
+A replica that knows its pricing sends it on its load reports (`StepPricing`), with the token
+budget that decides how many steps a prompt takes, so a router prices each replica by its own
+speed from its first report on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ScheduledStep(Protocol):
+    """The work of one step as a scheduler lays it out (`replica.scheduling.scheduler.SchedulerOutput`)."""
+
+    @property
+    def num_decode_tokens(self) -> int: ...
+
+    @property
+    def num_prefill_tokens(self) -> int: ...
+
+    @property
+    def context_tokens(self) -> int: ...
+
+    @property
+    def held_rows(self) -> list: ...
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """What a step's time is modelled from, read off its scheduled work:
+
+    - decode_tokens, prefill_tokens: rows through the weight matrices (every row costs the
+      same there, but a CPU runs small decode batches far from its FLOP roof, so the two
+      kinds get separate coefficients);
+    - context_tokens: keys attended, summed over the step's rows (SchedulerOutput.context_tokens);
+    - padding_rows: finished requests a static batch still computes (one row each, which
+      also attends its whole context)."""
+
+    decode_tokens: int
+    prefill_tokens: int
+    context_tokens: int
+    padding_rows: int
+
+    @classmethod
+    def of(cls, out: ScheduledStep) -> StepFeatures:
+        return cls(out.num_decode_tokens, out.num_prefill_tokens, out.context_tokens, len(out.held_rows))
+
+    @classmethod
+    def of_row(cls, row: dict) -> StepFeatures:
+        """The features of a recorded step (a `steps` row of the metrics store): how a cost
+        model is fitted to real runs."""
+        return cls(
+            row["num_decode_tokens"],
+            row["num_prefill_tokens"],
+            row["context_tokens"],
+            row["computed_rows"] - row["useful_rows"],
+        )
+
+
+class LinearCostModel(BaseModel):
+    """step_time = c0 + c_decode * decode_tokens + c_prefill * prefill_tokens
+    + c_ctx * context_tokens + c_held * padding_rows (seconds; see StepFeatures), every
+    coefficient non-negative so no step is predicted to get cheaper by doing more."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    c0: float = Field(ge=0, description="seconds per step, whatever it runs")
+    c_decode: float = Field(ge=0, description="seconds per decode token")
+    c_prefill: float = Field(ge=0, description="seconds per prefill token")
+    c_ctx: float = Field(ge=0, description="seconds per attended context token")
+    c_held: float = Field(ge=0, description="seconds per padding row of a static batch")
+
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        return self.c0, self.c_decode, self.c_prefill, self.c_ctx, self.c_held
+
+    def predict(self, f: StepFeatures) -> float:
+        return (
+            self.c0
+            + self.c_decode * f.decode_tokens
+            + self.c_prefill * f.prefill_tokens
+            + self.c_ctx * f.context_tokens
+            + self.c_held * f.padding_rows
+        )
+
+    def step_time(self, out: ScheduledStep) -> float:
+        return self.predict(StepFeatures.of(out))
+
+    def scaled(self, factor: float) -> LinearCostModel:
+        """Every step `factor` times as long: the same machine's relative costs, run faster
+        (or slower), so a wall-clock experiment on fake replicas fits its time."""
+        names = ("c0", "c_decode", "c_prefill", "c_ctx", "c_held")
+        return LinearCostModel(**{n: c * factor for n, c in zip(names, self.coefficients)})
+
+
+@dataclass(frozen=True)
+class StepPricing:
+    """How a replica's steps are priced, as its load reports tell a router: its cost model,
+    and the tokens one step may run (`token_budget`; None: a prompt is prefilled in one step)."""
+
+    cost: LinearCostModel
+    token_budget: int | None

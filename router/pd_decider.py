@@ -1,0 +1,76 @@
+"""Whether one request is served colocated (prefilled and decoded on one decode-pool replica)
+or disaggregated (prefilled on a prefill replica, its K/V handed to a decode replica): the P/D
+decision a two-pool router makes per request. Pure: it reads a `PdView` of the request and the
+two replicas the pools' routing policies picked, and answers, so the simulator and a router
+run the same objects.
+
+- `threshold` is llm-d's rule: disaggregate when the prompt's uncached tokens (those the
+  prefill replica's prefix cache does not hold) reach a threshold; a short prompt costs its
+  decode replica little, and its hand-over would cost more than its prefill.
+- `queue_aware` also weighs the decode replica's running decodes, the prefill replica's
+  backlog and the transfer: colocated, the prompt's prefill delays this request and every
+  decode running beside it; disaggregated, it delays only this request, by the prefill
+  replica's backlog and the hand-over. It disaggregates past the threshold only when that is
+  the smaller delay, so it does not where it does not pay (an idle decode pool, a slow link).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.handover import SAME_NODE, KvLink
+from protocol.registry import Registry
+
+
+@dataclass(frozen=True)
+class PdView:
+    """One request and the replicas picked for it: `uncached_tokens` of its prompt not in the
+    prefill replica's prefix cache, the K/V bytes a hand-over of its prompt sends, the decodes
+    running on the decode replica, and the prompt tokens the prefill replica has yet to compute."""
+
+    uncached_tokens: int
+    kv_bytes: int
+    decode_running: int
+    prefill_pending_tokens: int
+
+
+@dataclass(frozen=True)
+class PdCosts:
+    """What the queue-aware rule prices with: seconds per prefill token on a replica, and the link."""
+
+    prefill_seconds_per_token: float = 2e-4
+    link: KvLink = SAME_NODE
+
+
+class ThresholdDecider:
+    """llm-d's rule: disaggregate when the uncached prompt reaches `threshold` tokens."""
+
+    name = "threshold"
+
+    def __init__(self, threshold: int = 256, costs: PdCosts | None = None):
+        self.threshold = threshold
+        self.costs = costs or PdCosts()
+
+    def disaggregate(self, view: PdView) -> bool:
+        return view.uncached_tokens >= self.threshold
+
+
+class QueueAwareDecider(ThresholdDecider):
+    """The threshold, and then only when the delay disaggregating adds (the prefill replica's
+    backlog and the hand-over, to this request) is less than the one colocating adds (this
+    prompt's prefill, to this request and to each decode running beside it)."""
+
+    name = "queue_aware"
+
+    def disaggregate(self, view: PdView) -> bool:
+        if not super().disaggregate(view):
+            return False
+        per_token = self.costs.prefill_seconds_per_token
+        colocated = view.uncached_tokens * per_token * (1 + view.decode_running)
+        disaggregated = (view.prefill_pending_tokens + view.uncached_tokens) * per_token + self.costs.link.seconds(
+            view.kv_bytes
+        )
+        return disaggregated < colocated
+
+
+PD_DECIDERS: Registry[type[ThresholdDecider]] = Registry.of_named("P/D decider", (ThresholdDecider, QueueAwareDecider))

@@ -1,0 +1,236 @@
+"""The model behind the `predicted_latency` routing policy (`router.policies.PredictedLatency`),
+after llm-d's predicted-latency scorer: predict each replica's TTFT and TPOT for this request
+and send it where the TTFT is lowest among the replicas whose TPOT meets the SLO (all of them,
+if none does). The policy class lives with the others (`router.policies`, whose registry this
+module would otherwise import in a circle); the prediction is here.
+
+A prediction walks the replica's queue as the router knows it, one engine step at a time, the
+way its scheduler would run it: the requests in flight there in dispatch order, the first
+`num_slots` of them holding slots; each step runs a decode row for every slot past its prefill,
+then prefill chunks within the replica's token budget; a request whose expected output
+(`router.length_predictor.BucketedLength`) is made frees its slot for the next. A request's
+prefill is its prompt less the prefix the replica holds (the precise block index kept from the
+replica's K/V events, and the prompts in flight there: `PrecisePrefix.matched`; none on a
+replica that sends no K/V events, which has no prefix cache), as it was at dispatch; one whose
+first token the last load report shows is decoding. The walk starts at that report, so the
+steps since then count as past. Each step is priced by the replica's own cost model
+(`protocol.cost.StepPricing`, on its load reports), so replicas of different speeds are told
+apart from their first report; a replica that reports none (a real model) is priced by
+`DEFAULT_PRICING` until its correction has learned it.
+
+The correction: each replica's reports say how long its requests waited for their first token
+(`LoadReport.ttft`), and the policy keeps, per replica, an exponentially weighted mean of
+log(measured / predicted): what its pricing misses (a model's real speed, steps the walk does
+not foresee). Both predictions are multiplied by it. The predicted TTFT of the chosen replica is
+what the decision records (`Decision.predicted_ttft`), and reports compare it with the measured
+one (`metrics.goodput_report`: TTFT prediction MAPE).
+
+The walk is bounded (`MAX_WALK_STEPS`); past it the prediction is what it has reached, which
+already ranks that replica behind any that can serve sooner.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from protocol import defaults
+from protocol.cost import LinearCostModel, StepPricing
+from protocol.messages import LoadReport
+from protocol.routing import RouteRequest
+from router.load import ReplicaView
+
+# A replica that reports no pricing: SmolLM2-135M's step costs as fitted on a 2-core CPU
+# (`workloads/experiments/cost_model.json`); the correction scales it to the replica's speed.
+DEFAULT_PRICING = StepPricing(
+    LinearCostModel(c0=0.117, c_decode=0.00805, c_prefill=0.00387, c_ctx=4.0e-6, c_held=0.00845),
+    defaults.TOKEN_BUDGET,
+)
+MAX_WALK_STEPS = 4096
+TPOT_STEPS = 16  # decode steps of the new request its predicted TPOT is the mean of
+CORRECTION_WEIGHT = 0.1  # weight of each new error sample in a replica's running correction
+MAX_ERROR_RATIO = 2.0  # one sample's measured / predicted is clipped to [1/x, x]: one stall moves it little
+
+
+@dataclass
+class _Placed:
+    """A request in flight, as this policy placed it."""
+
+    replica_id: str
+    dispatched: float  # router clock
+    prompt_len: int
+    to_prefill: int  # prompt tokens outside the replica's cached prefix at dispatch
+    cached: int  # prompt tokens inside it
+    expected_output: float
+    predicted_ttft: float  # before the correction: what the error is learned against
+
+
+@dataclass(eq=False)
+class _Row:
+    """One request in the walk (compared by identity: two may hold the same counts)."""
+
+    prefill_left: float
+    context: float  # tokens whose K/V it holds
+    decode_left: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    ttft: float
+    tpot: float
+
+
+class LatencyModel:
+    """The predictions and the corrections of `router.policies.PredictedLatency`: it hears of
+    each dispatch, completion and load report, and scores replicas for a request."""
+
+    def __init__(self, tpot_slo: float = defaults.TPOT_SLO):
+        """`tpot_slo`: the TPOT a replica must be predicted to meet to be eligible."""
+        self.tpot_slo = tpot_slo
+        self._placed: dict[str, _Placed] = {}
+        self._by_replica: dict[str, dict[str, _Placed]] = {}  # dispatch order
+        self._log_error: dict[str, float] = {}  # replica -> running mean of log(measured / predicted)
+        self._caching: set[str] = set()  # replicas whose reports carry K/V events: a prefix cache
+        self._last: dict[str, tuple[Prediction, int]] = {}  # the last scoring's raw predictions, cached tokens
+
+    def scores(
+        self, request: RouteRequest, views: list[ReplicaView], matched: dict[str, int], expected_output: float
+    ) -> list[float]:
+        """Per replica, the predicted TTFT if its predicted TPOT meets the SLO, else +inf (no
+        replica meets it: every one's TTFT). `matched`: the prompt's leading blocks each holds."""
+        self._last = {}
+        for v in views:
+            cached = 0
+            if v.replica_id in self._caching:  # a replica without a prefix cache hits nothing
+                cached = min(request.prompt_len - 1, matched.get(v.replica_id, 0) * request.block_size)
+            self._last[v.replica_id] = (self.predict_raw(request, v, cached, expected_output), cached)
+        predicted = [self.corrected(v.replica_id, self._last[v.replica_id][0]) for v in views]
+        eligible = [p.tpot <= self.tpot_slo for p in predicted]
+        if not any(eligible):
+            eligible = [True] * len(views)
+        return [p.ttft if ok else math.inf for p, ok in zip(predicted, eligible)]
+
+    def correction(self, replica_id: str) -> float:
+        """What this replica's raw predictions are multiplied by (1 until it has reported a TTFT)."""
+        return math.exp(self._log_error.get(replica_id, 0.0))
+
+    def corrected(self, replica_id: str, raw: Prediction) -> Prediction:
+        k = self.correction(replica_id)
+        return Prediction(raw.ttft * k, raw.tpot * k)
+
+    def predict_raw(
+        self, request: RouteRequest, view: ReplicaView, cached: int = 0, expected_output: float = 1.0
+    ) -> Prediction:
+        """TTFT and TPOT of `request` on the replica by its pricing alone (see the module
+        docstring), from now; `cached`: prompt tokens its prefix cache holds."""
+        report = view.report
+        pricing = report.pricing if report is not None and report.pricing is not None else DEFAULT_PRICING
+        slots = report.num_slots if report is not None else defaults.NUM_SLOTS
+        new = _Row(request.prompt_len - cached, cached, max(1.0, expected_output))
+        return _walk(pricing, slots, self._rows(view), new, view.report_age or 0.0)
+
+    def _rows(self, view: ReplicaView) -> list[_Row]:
+        """The replica's requests in flight, in dispatch order, as far as its last report says."""
+        report = view.report
+        rows = []
+        for request_id, placed in self._by_replica.get(view.replica_id, {}).items():
+            expected = max(1.0, placed.expected_output)
+            made = 0 if report is None or placed.dispatched > report.time else report.tokens_made.get(request_id)
+            if made is None:
+                continue  # ended before the report (its completion is on its way)
+            if made == 0:
+                rows.append(_Row(placed.to_prefill, placed.cached, expected))
+            else:
+                rows.append(_Row(0.0, placed.prompt_len + made, max(1.0, expected - made)))
+        return rows
+
+    def dispatched(self, request: RouteRequest, replica_id: str, now: float, expected_output: float) -> None:
+        """The request went to `replica_id` after `scores`: it joins that replica's queue."""
+        raw, cached = self._last.get(replica_id, (None, 0))
+        self.completed(request.request_id)  # a moved request leaves its old queue
+        placed = _Placed(
+            replica_id,
+            now,
+            request.prompt_len,
+            request.prompt_len - cached,
+            cached,
+            expected_output,
+            math.nan if raw is None else raw.ttft,
+        )
+        self._placed[request.request_id] = placed
+        self._by_replica.setdefault(replica_id, {})[request.request_id] = placed
+
+    def completed(self, request_id: str) -> None:
+        placed = self._placed.pop(request_id, None)
+        if placed is not None:
+            del self._by_replica[placed.replica_id][request_id]
+
+    def reported(self, load: LoadReport) -> None:
+        """Learn the replica's error from the TTFTs its report shows, once per request."""
+        if load.kv_events is not None:
+            self._caching.add(load.replica_id)
+        held = self._by_replica.get(load.replica_id)
+        if not held:
+            return
+        for request_id, measured in load.ttft.items():
+            placed = held.get(request_id)
+            if placed is None or not placed.predicted_ttft > 0 or measured <= 0:
+                continue  # not placed here, already learned from, or a moved request's carried tokens
+            ratio = min(MAX_ERROR_RATIO, max(1 / MAX_ERROR_RATIO, measured / placed.predicted_ttft))
+            old = self._log_error.get(load.replica_id, 0.0)
+            self._log_error[load.replica_id] = old + CORRECTION_WEIGHT * (math.log(ratio) - old)
+            placed.predicted_ttft = math.nan  # one sample per request
+
+    def predicted_ttft(self, replica_id: str) -> float | None:
+        """The last scoring's corrected TTFT for the replica (what a decision records)."""
+        last = self._last.get(replica_id)
+        return None if last is None else self.corrected(replica_id, last[0]).ttft
+
+
+def _walk(pricing: StepPricing, slots: int, rows: list[_Row], new: _Row, age: float) -> Prediction:
+    """Step the queue `rows` with `new` behind them until `new` has made its first token and
+    `TPOT_STEPS` more (or its expected output): its TTFT and mean time per output token after
+    the first. The walk starts at the report, `age` seconds ago: `new` joins the first step
+    that starts after now (it waits out the one in progress), or starts at once on an idle
+    replica."""
+    cost, budget = pricing.cost, pricing.token_budget
+    queue = [_Row(r.prefill_left, r.context, r.decode_left) for r in rows]
+    busy = bool(queue)
+    elapsed, first_token, decoded = 0.0, None, 0
+    for _ in range(MAX_WALK_STEPS):
+        if new not in queue and (elapsed >= age or not busy):
+            queue.append(new)
+        running = queue[:slots]
+        decodes = [r for r in running if r.prefill_left <= 0]
+        left = math.inf if budget is None else float(budget - len(decodes))
+        context = sum(r.context + 1 for r in decodes)
+        chunks = []
+        for row in running:
+            if row.prefill_left > 0 and left > 0:
+                n = min(row.prefill_left, left)
+                context += n * row.context + n * (n + 1) / 2
+                left -= n
+                chunks.append((row, n))
+        prefill = sum(n for _, n in chunks)
+        step = cost.c0 + cost.c_decode * len(decodes) + cost.c_prefill * prefill + cost.c_ctx * context
+        elapsed += step
+        for row in decodes:
+            row.context += 1
+            row.decode_left -= 1
+        for row, n in chunks:
+            row.prefill_left -= n
+            row.context += n
+            if row.prefill_left <= 0:
+                row.decode_left -= 1  # the step that ends a prefill samples the first token
+        if new.prefill_left <= 0 and new in queue:
+            if first_token is None:
+                first_token = elapsed
+            else:
+                decoded += 1
+            if decoded >= TPOT_STEPS or new.decode_left <= 0:
+                break
+        queue = [r for r in queue if r.decode_left > 0]
+    if first_token is None:
+        return Prediction(elapsed, math.inf)
+    tpot = (elapsed - first_token) / decoded if decoded else 0.0
+    return Prediction(first_token - age if busy else first_token, tpot)

@@ -1,0 +1,189 @@
+"""Prefill/decode disaggregation inside the engine: a request prefilled on one engine (the
+prefill role: chunked, with prefix caching on the paged cache), handed over with its K/V once its
+first token is sampled, and decoded to the end on another (the decode role) makes exactly the
+tokens and text a colocated engine makes: greedy and seeded, slot and paged cache, from one
+layout to the other, with the decode engine full (the hand-over waits with its K/V) or
+preempting (the imported request then recomputes). Real models: local tiny ones here, the
+default model (slow)."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocol.clock import FakeClock
+from protocol.finish import NATURAL_ENDINGS, FinishReason
+from protocol.handover import Handover
+from replica import Engine, EngineConfig, InvalidRequestError
+from replica.model.fake import ScriptedFakeRunner
+from replica.model.loader import load_hf_model
+from replica.model.runner import ModelRunner
+from tests.test_correctness import make_prompts, preemption_cases
+
+SLOTS = 4
+KV = {"slot": {}, "paged": {"kv_cache": "paged", "block_size": 8, "prefix_caching": True}}
+
+
+def engine_config(kv: str, **overrides) -> EngineConfig:
+    return EngineConfig(
+        **{"policy": "chunked", "token_budget": 16, "num_slots": SLOTS, "max_seq_len": 256, **KV[kv], **overrides}
+    )
+
+
+def runner(model: str, kv: str) -> ModelRunner:
+    return ModelRunner(engine_config(kv, model=model, dtype="float32"))
+
+
+def colocated(engine: Engine, prompts, params) -> list[tuple[list[int], str]]:
+    return [(c.token_ids, c.text) for c in engine.generate(prompts, params)]
+
+
+def disaggregated(prefill: Engine, decode: Engine, prompts, params) -> tuple[list[tuple[list[int], str]], list]:
+    """Every prompt prefilled on `prefill` and handed to `decode` as soon as its first token is
+    out, both engines stepping in turn; (tokens, text) per prompt as their streams delivered
+    them, and the hand-overs."""
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for request_id, prompt, p in zip(ids, prompts, params):
+        prefill.add_request(prompt, p, request_id=request_id, hand_over=True)
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    text = dict.fromkeys(ids, "")
+    handovers = []
+    while prefill.has_unfinished or decode.has_unfinished:
+        for out in prefill.step().outputs + decode.step().outputs:
+            tokens[out.request_id] += out.new_token_ids
+            text[out.request_id] += out.new_text
+            if out.handover is not None:
+                assert out.finish_reason is FinishReason.MIGRATE
+                handovers.append(out.handover)
+                assert decode.import_request(out.handover)
+            elif out.finished:
+                assert out.finish_reason in NATURAL_ENDINGS, out
+    return [(tokens[i], text[i]) for i in ids], handovers
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_qwen2_dir):
+    _, tok = load_hf_model(tiny_qwen2_dir)
+    cases = make_prompts(tok)
+    return tiny_qwen2_dir, [p for p, _ in cases], [n for _, n in cases]
+
+
+def greedy(lens) -> list[dict]:
+    return [{"max_tokens": n} for n in lens]
+
+
+def seeded(lens) -> list[dict]:
+    return [{"max_tokens": n, "temperature": 0.9, "top_p": 0.95, "seed": 7 + i} for i, n in enumerate(lens)]
+
+
+def check_hand_over(model: str, prompts, lens, prefill_kv: str, decode_kv: str) -> list[Handover]:
+    """Greedy, seeded and stop-string runs through a hand-over equal the colocated engine's."""
+    prefill_runner, decode_runner = runner(model, prefill_kv), runner(model, decode_kv)
+    stops = [{"max_tokens": n, "stop": [" the", "\n"]} for n in lens]
+    handovers = []
+    for params in (greedy(lens), seeded(lens), stops):
+        expected = colocated(Engine(engine_config(prefill_kv), prefill_runner), prompts, params)
+        prefill = Engine(engine_config(prefill_kv), prefill_runner)
+        decode = Engine(engine_config(decode_kv), decode_runner)
+        got, handovers = disaggregated(prefill, decode, prompts, params)
+        assert got == expected
+        assert decode.scheduler.num_prefix_cached_tokens == 0  # nothing of it was computed there
+        assert decode.kv_transfer.tokens_written == sum(h.num_kv_tokens for h in handovers)
+        assert not prefill.scheduler.running and prefill.scheduler.slots.num_used_slots == 0  # freed at once
+    cache = prefill_runner.cache
+    for h in handovers:
+        assert h.num_kv_tokens == len(h.prompt_token_ids) and len(h.output_token_ids) == 1
+        assert h.nbytes == h.num_kv_tokens * cache.bytes_per_token == h.kv.numel() * h.kv.element_size()
+    return handovers
+
+
+@pytest.mark.parametrize("prefill_kv,decode_kv", [(a, b) for a in KV for b in KV])
+def test_tiny_model_hand_over_equals_colocated(tiny, prefill_kv, decode_kv):
+    check_hand_over(*tiny, prefill_kv, decode_kv)
+
+
+@pytest.mark.parametrize("kv", list(KV))
+def test_full_decode_engine_queues_hand_overs_with_their_kv(tiny, kv):
+    """A decode engine with one slot and a K/V budget too small for all of them at once: the
+    hand-overs wait in its queue with their K/V (none is recomputed while it waits), and one
+    preempted there recomputes from its tokens; the outputs are still the colocated ones."""
+    model, prompts, lens = tiny
+    prefill_runner, decode_runner = runner(model, kv), runner(model, kv)
+    squeezed = preemption_cases(list(zip(prompts, lens)))
+    for overrides, cases in (({"num_slots": 1}, list(zip(prompts, lens))), ({"kv_budget_tokens": 160}, squeezed)):
+        params = greedy([n for _, n in cases])
+        expected = colocated(Engine(engine_config(kv), prefill_runner), [p for p, _ in cases], params)
+        decode = Engine(engine_config(kv, **overrides), decode_runner)
+        got, handovers = disaggregated(Engine(engine_config(kv), prefill_runner), decode, [p for p, _ in cases], params)
+        assert got == expected
+        assert decode.kv_transfer.tokens_written == sum(h.num_kv_tokens for h in handovers)
+        assert (decode.scheduler.num_preemptions > 0) == ("kv_budget_tokens" in overrides)
+
+
+def test_hand_over_of_a_decoding_request_and_refusals(tiny):
+    """`Engine.hand_over` moves a request mid-decode (a drain) and the receiver finishes it as
+    the colocated engine would; a waiting request cannot be handed over, and K/V of another
+    model's shape are refused, the receiver recomputing from the tokens instead."""
+    model, prompts, lens = tiny
+    prefill_runner, decode_runner = runner(model, "paged"), runner(model, "paged")
+    expected = colocated(Engine(engine_config("paged"), prefill_runner), prompts[:2], greedy([20, 20]))
+    sender, receiver = Engine(engine_config("paged"), prefill_runner), Engine(engine_config("paged"), decode_runner)
+    for i, p in enumerate(prompts[:2]):
+        sender.add_request(p, {"max_tokens": 20}, request_id=f"r{i}")
+    tokens = {"r0": [], "r1": []}
+    while not all(len(t) >= 5 for t in tokens.values()):
+        for out in sender.step().outputs:
+            tokens[out.request_id] += out.new_token_ids
+    for request_id in tokens:
+        final = sender.hand_over(request_id)
+        assert final.finished and final.finish_reason is FinishReason.MIGRATE and final.new_token_ids == []
+        assert final.handover.num_kv_tokens == len(final.handover.prompt_token_ids) + len(tokens[request_id]) - 1
+        assert receiver.import_request(final.handover)
+    while receiver.has_unfinished:
+        for out in receiver.step().outputs:
+            tokens[out.request_id] += out.new_token_ids
+    assert [tokens["r0"], tokens["r1"]] == [t for t, _ in expected]
+
+    sender.add_request(prompts[0], {"max_tokens": 4}, request_id="waiting")
+    with pytest.raises(InvalidRequestError, match="not decoding"):
+        sender.hand_over("waiting")
+    handover = final.handover
+    wrong = Handover(**{**handover.__dict__, "request_id": "wrong", "kv": handover.kv[:, :, :, :1]})
+    assert not receiver.import_request(wrong)  # one K/V head where the cache has two: recompute
+    tokens_only = Handover(**{**handover.__dict__, "request_id": "tokens-only", "kv": None})
+    assert not receiver.import_request(tokens_only)  # a fake's hand-over: recompute
+    while receiver.has_unfinished:
+        receiver.step()
+    assert receiver.kv_transfer.tokens_written == sum(len(prompts[i]) + 4 for i in range(2))
+    assert receiver.scheduler.num_prefix_cached_tokens > 0  # the refused ones hit r0's filed blocks
+
+
+def test_fake_model_hands_over_tokens_and_prices_the_kv():
+    """The scripted fake has no tensors: a hand-over carries its tokens and the bytes a real
+    cache would send (tokens x kv_bytes_per_token); the decode engine skips the prompt and
+    continues the undisturbed sequence."""
+    clock = FakeClock()
+    prefill = Engine(engine_config("paged"), ScriptedFakeRunner(clock), clock)
+    decode = Engine(engine_config("paged"), ScriptedFakeRunner(clock, kv_bytes_per_token=1000), clock)
+    prompts = [[(7 * i + j) % 1000 for j in range(40 + 9 * i)] for i in range(5)]
+    got, handovers = disaggregated(prefill, decode, prompts, greedy([12] * 5))
+    assert [t for t, _ in got] == [prefill.runner.continuation(p, 12) for p in prompts]
+    per_token = prefill.runner.kv_bytes_per_token
+    assert [(h.kv, h.nbytes) for h in handovers] == [(None, len(p) * per_token) for p in prompts]
+    assert decode.kv_transfer.tokens_written == sum(map(len, prompts))
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    _, tok = load_hf_model("smollm2-135m")
+    cases = make_prompts(tok)
+    return "smollm2-135m", [p for p, _ in cases], [n for _, n in cases]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", list(KV))
+def test_default_model_hand_over_equals_colocated(smollm2, kv):
+    """SmolLM2-135M (fp32), the correctness suite's prompts: greedy, seeded and stop-string
+    outputs through a hand-over equal the colocated engine's; each hand-over sends the prompt's
+    K/V, 46,080 bytes a token in fp32 (30 layers x 3 K/V heads x 64 x K and V x 4 bytes)."""
+    handovers = check_hand_over(*smollm2, kv, kv)
+    assert {h.nbytes // h.num_kv_tokens for h in handovers} == {2 * 30 * 3 * 64 * 4}

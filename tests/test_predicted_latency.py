@@ -1,0 +1,227 @@
+"""The predicted_latency routing policy: its TTFT prediction, priced by each replica's own step
+costs and corrected by each replica's observed error; its TPOT filter; the TTFT prediction
+error reports print; and replicas of different speeds, from the experiment file to the
+simulator and to the fake replicas on Ray. Pure objects on a fake clock, apart from one small
+Ray test."""
+
+from __future__ import annotations
+
+import pytest
+
+from metrics.definitions import RequestTrace
+from metrics.goodput_report import ttft_prediction_error
+from protocol.clock import FakeClock
+from protocol.cost import LinearCostModel, StepPricing
+from protocol.messages import LoadReport
+from protocol.routing import RouteRequest
+from replica.config import EngineConfig
+from replica.engine import Engine
+from replica.model.fake import FlatCostModel, ScriptedFakeRunner
+from replica.serving.loop import ReplicaConfig
+from router.load import ReplicaView
+from router.policies import make_routing_policy
+from router.predicted_latency import LatencyModel
+from router.router import Router
+from sim.simulator import SimulationConfig, simulate
+from workloads.standard import heavy_tail_spec
+
+STEP = LinearCostModel(c0=0.01, c_decode=0.001, c_prefill=0.0005, c_ctx=0.0, c_held=0.0)
+
+
+def _report(
+    replica_id: str, time: float, pricing: StepPricing, ttft: dict[str, float] | None = None, **load
+) -> LoadReport:
+    fields = {"queue_depth": 0, "running": 0, "free_slots": 4, "num_slots": 4, "free_kv_tokens": 4096, **load}
+    return LoadReport(replica_id, time=time, pricing=pricing, ttft=ttft or {}, **fields)
+
+
+def test_engine_reports_its_pricing_and_first_token_waits():
+    """A fake replica's load report carries its step prices (its cost model and token budget)
+    and, for each request that has made a token, how long it waited for the first: what the
+    router predicts and corrects with."""
+    clock = FakeClock()
+    config = EngineConfig(policy="chunked", num_slots=2, max_seq_len=64, token_budget=32)
+    engine = Engine(config, ScriptedFakeRunner(clock, STEP), clock)
+    engine.add_request(list(range(20)), {"max_tokens": 5, "ignore_eos": True}, request_id="a", arrival_time=0.0)
+    engine.step()
+    report = engine.load_report("r0")
+    assert report.pricing == StepPricing(STEP, 32)
+    assert report.ttft == {"a": pytest.approx(0.01 + 20 * 0.0005)}
+
+
+def test_prediction_tracks_a_slow_replica_after_correction():
+    """A replica that runs twice as slow as the prices it reports: once its reports have shown
+    the first-token waits of a few requests, the corrected prediction is within 10% of twice
+    the priced one, and another replica's correction is untouched."""
+    model = LatencyModel()
+    pricing = StepPricing(STEP, 256)
+    request = RouteRequest("probe", prompt_len=100, max_tokens=8)
+    idle = ReplicaView("slow", 0, _report("slow", 0.0, pricing), 0.0)
+    priced = model.predict_raw(request, idle, expected_output=8).ttft
+    for i in range(40):
+        rid = f"q{i}"
+        model.scores(RouteRequest(rid, 100, 8), [idle], {}, 8.0)
+        model.dispatched(RouteRequest(rid, 100, 8), "slow", now=float(i), expected_output=8.0)
+        measured = 2 * model._by_replica["slow"][rid].predicted_ttft
+        model.reported(_report("slow", i + 0.5, pricing, ttft={rid: measured}, running=1))
+        model.completed(rid)
+    corrected = model.corrected("slow", model.predict_raw(request, idle, expected_output=8)).ttft
+    assert corrected == pytest.approx(2 * priced, rel=0.1)
+    assert model.correction("fast") == 1.0
+
+
+def test_prediction_prices_the_queue_and_the_replica_speed():
+    """A prompt on an idle replica costs one step of its prefill, twice as long where steps cost
+    twice as much; prompts queued ahead add their prefill, chunked by the token budget."""
+    model = LatencyModel()
+    request = RouteRequest("new", prompt_len=200, max_tokens=8)
+    fast, slow = StepPricing(STEP, 256), StepPricing(STEP.scaled(2.0), 256)
+    idle_fast = ReplicaView("a", 0, _report("a", 0.0, fast), 0.0)
+    idle_slow = ReplicaView("b", 0, _report("b", 0.0, slow), 0.0)
+    alone = model.predict_raw(request, idle_fast).ttft
+    assert alone == pytest.approx(0.01 + 200 * 0.0005)  # one step: c0 and the prompt's prefill
+    assert model.predict_raw(request, idle_slow).ttft == pytest.approx(2 * alone)
+    for i in range(3):  # three 200-token prompts dispatched after the report: ahead of the new one
+        model.scores(RouteRequest(f"q{i}", 200, 8), [idle_fast], {}, 8.0)
+        model.dispatched(RouteRequest(f"q{i}", 200, 8), "a", now=0.1, expected_output=8.0)
+    busy = ReplicaView("a", 3, _report("a", 0.0, fast), 0.0)
+    # four steps of 256 tokens: 800 prompt tokens, and the decode rows of the prompts done
+    # before (1 + 2 + 3), which take their share of the budget first
+    assert model.predict_raw(request, busy).ttft == pytest.approx(4 * 0.01 + 800 * 0.0005 + 6 * 0.001)
+
+
+def test_tpot_filter_prefers_the_replica_that_meets_the_slo():
+    """Replica a would give the first token soonest but decodes too slowly for the TPOT SLO,
+    so the request goes to b; when no replica meets the SLO, the soonest first token wins."""
+    quick_start = StepPricing(LinearCostModel(c0=0.01, c_decode=0.1, c_prefill=0.0, c_ctx=0.0, c_held=0.0), 256)
+    quick_decode = StepPricing(LinearCostModel(c0=0.01, c_decode=0.0, c_prefill=0.001, c_ctx=0.0, c_held=0.0), 256)
+    views = [
+        ReplicaView("a", 0, _report("a", 0.0, quick_start), 0.0),
+        ReplicaView("b", 0, _report("b", 0.0, quick_decode), 0.0),
+    ]
+    request = RouteRequest("x", prompt_len=100, max_tokens=16)
+    for tpot_slo, chosen in ((0.05, "b"), (0.001, "a")):
+        scores = LatencyModel(tpot_slo).scores(request, views, {}, 16.0)
+        assert views[min(range(2), key=scores.__getitem__)].replica_id == chosen
+
+
+def test_router_records_the_prediction_of_the_chosen_replica():
+    """A decision of predicted_latency carries the TTFT it predicted on the replica it chose;
+    other policies predict none."""
+    clock = FakeClock()
+    router = Router(["a", "b"], "predicted_latency", clock)
+    router.report(_report("a", 0.0, StepPricing(STEP, 256)))
+    router.report(_report("b", 0.0, StepPricing(STEP.scaled(3.0), 256)))
+    decision = router.route(RouteRequest("x", prompt_len=100, max_tokens=8))
+    assert decision.replica_id == "a"
+    assert decision.predicted_ttft == pytest.approx(decision.scores["a"])
+    assert Router(["a"], "least_loaded", clock).route(RouteRequest("y", 10, 4)).predicted_ttft is None
+
+
+def test_predicted_latency_avoids_the_slow_replica_under_load():
+    """Two replicas, one four times slower: under load predicted_latency sends the slow one far
+    fewer requests than least_loaded (which counts requests) and gets lower TTFT p90."""
+    workload = heavy_tail_spec(num_requests=120, rate=12.0, seed=3).build()
+    engine = EngineConfig(policy="chunked", num_slots=4, max_seq_len=512)
+    share, p90 = {}, {}
+    for policy in ("least_loaded", "predicted_latency"):
+        config = SimulationConfig(num_replicas=2, engine=engine, routing_policy=policy, cost_scales=[0.125, 0.5])
+        result = simulate(workload, config, STEP.scaled(2.0))
+        share[policy] = sum(t.replica == "r1" for t in result.traces) / len(result.traces)
+        ttfts = sorted(t.ttft for t in result.traces if t.ttft is not None)
+        p90[policy] = ttfts[int(0.9 * len(ttfts))]
+    assert share["predicted_latency"] < 0.3 < share["least_loaded"]
+    assert p90["predicted_latency"] < p90["least_loaded"]
+
+
+def test_simulator_prices_each_replica_at_its_cost_scale():
+    """`cost_scales` makes each simulated replica's steps cost its own multiple: the same
+    prompts on two replicas take twice as long on the one at twice the scale."""
+    workload = heavy_tail_spec(num_requests=40, rate=2.0, seed=1).build()
+    config = SimulationConfig(num_replicas=2, routing_policy="round_robin", cost_scales=[1.0, 2.0])
+    result = simulate(workload, config, FlatCostModel(0.01))
+    durations = {r: sorted({round(s.duration, 9) for s in steps}) for r, steps in result.steps.items()}
+    assert durations == {"r0": [0.01], "r1": [0.02]}
+
+
+def test_mape_of_a_tiny_known_case():
+    """MAPE over the requests with a first token and a prediction, a moved request's last one:
+    |1.0 - 0.5| / 0.5 = 1.0 and |2.0 - 2.5| / 2.5 = 0.2 give 0.6 over two requests."""
+    traces = [
+        RequestTrace("a", 0.0, [0.5, 0.6], 0.6, "length", 10),
+        RequestTrace("b", 1.0, [3.5], 3.5, "length", 10),
+        RequestTrace("c", 0.0, [0.2], 0.2, "length", 10),  # decided by a policy that predicts nothing
+        RequestTrace("d", 0.0, [], 0.1, "rejected", 10),
+    ]
+    decisions = [
+        {"request_id": "a", "predicted_ttft": 1.0},
+        {"request_id": "b", "predicted_ttft": 9.0},
+        {"request_id": "b", "predicted_ttft": 2.0},  # moved: the last decision counts
+        {"request_id": "c", "predicted_ttft": None},
+        {"request_id": "d", "predicted_ttft": 0.3},
+    ]
+    assert ttft_prediction_error(traces, decisions) == {"mape": pytest.approx(0.6), "requests": 2}
+    assert ttft_prediction_error(traces[2:], decisions)["mape"] is None
+
+
+def test_cluster_spec_gives_each_fake_replica_its_cost_scale():
+    """`ClusterSpec.cost_scales` scales each fake replica's step prices (and repeats past the
+    list, for replicas an autoscaler adds); it refuses a real model, whose speed is its own."""
+    from cluster.deploy import ClusterSpec
+
+    spec = ClusterSpec(num_replicas=2, replica=ReplicaConfig(fake_cost=STEP), cost_scales=[1.0, 3.0])
+    assert [spec.replica_config(i).fake_cost for i in range(3)] == [STEP, STEP.scaled(3.0), STEP]
+    with pytest.raises(ValueError, match="fake"):
+        ClusterSpec(num_replicas=2, cost_scales=[1.0, 2.0])
+
+
+def test_policy_is_registered_under_its_name():
+    assert make_routing_policy("predicted_latency").name == "predicted_latency"
+
+
+def test_cost_scales_reach_the_fake_replicas_on_ray(tmp_path):
+    """On Ray, each fake replica of a cluster with `cost_scales` runs at its own step time."""
+    import ray
+
+    from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
+
+    ray.init(address="local", num_cpus=2, namespace="slotserve", include_dashboard=False, log_to_driver=False)
+    try:
+        spec = ClusterSpec(
+            num_replicas=2,
+            replica=ReplicaConfig(engine=EngineConfig(num_slots=2, max_seq_len=64), fake_step_seconds=0.005),
+            cost_scales=[1.0, 4.0],
+            num_cpus_per_replica=0.5,
+            store_path=str(tmp_path / "store.db"),
+        )
+        deployment = start_cluster(spec)
+        infos = ray.get([deployment.replicas[f"replica-{i}"].info.remote() for i in range(2)])
+        assert [info.fake_step_seconds for info in infos] == [0.005, 0.02]
+    finally:
+        stop_cluster()
+        ray.shutdown()
+
+
+def test_experiment_file_gives_each_replica_its_speed(tmp_path):
+    """An experiment file's `cost_scales` reach the simulator's config, need one scale per
+    replica, and refuse Ray Serve's routers on Ray (one deployment of identical replicas)."""
+    import shutil
+
+    from experiments.backends import SimulatedBackend
+    from experiments.plan import plan_experiment
+    from workloads.experiment import ExperimentError
+
+    shipped = "workloads/experiments/heterogeneous.toml"
+    shutil.copy("workloads/experiments/cost_model.json", tmp_path)
+    plan = plan_experiment(shipped, simulate=True)
+    config = SimulatedBackend(plan, None)._config(plan.cells[0], "predicted_latency", 0)
+    assert config.cost_scales == [0.125, 0.125, 0.25, 0.25]
+    text = open(shipped).read()
+    for change, error in (
+        (("cost_scales = [0.125, 0.125, 0.25, 0.25]", "cost_scales = [0.125, 0.25]"), "one scale per replica"),
+        (('"predicted_latency"]', '"predicted_latency", "serve_power_of_two"]'), "identical replicas"),
+    ):
+        path = tmp_path / "het.toml"
+        path.write_text(text.replace(*change))
+        with pytest.raises(ExperimentError, match=error):
+            plan_experiment(path)
