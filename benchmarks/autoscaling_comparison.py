@@ -36,7 +36,7 @@ from pathlib import Path
 from autoscaling.policies import AUTOSCALING_POLICIES, AutoscaleConfig
 from metrics.definitions import SLO, RequestTrace
 from replica.config import EngineConfig
-from sim.autoscaling import AutoscalingSimulator, static_replica_seconds
+from sim.autoscaling import AutoscalingSimulator, offered_load, static_replica_seconds
 from sim.cost_model import FittedCostModel
 from sim.simulator import SimulationConfig, measure_capacity, simulate
 from workloads.capacity import Capacity
@@ -72,17 +72,6 @@ def azure(seed: int) -> Workload:
 
 
 WORKLOADS = {"diurnal": diurnal, "azure": azure}
-
-
-def offered_load(workload: Workload, capacity: Capacity, window_s: float | None) -> float:
-    """Replicas kept exactly busy by the workload: over its busiest `window_s` (None: its whole span)."""
-    span = max(r.arrival for r in workload.requests)
-    if window_s is None:
-        return sum(capacity.work_seconds(r.prompt_len, r.output_len) for r in workload.requests) / span
-    windows = [0.0] * (int(span // window_s) + 1)
-    for r in workload.requests:
-        windows[int(r.arrival // window_s)] += capacity.work_seconds(r.prompt_len, r.output_len)
-    return max(windows) / window_s
 
 
 @dataclass

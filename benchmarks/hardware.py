@@ -450,6 +450,17 @@ def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], ar
             )
     lines += [
         "",
+        "## Where a step's time goes, by part",
+        "",
+        "`benchmarks/step_profile.py` splits one engine step, per dtype and step size (decode at B = 1, 8, 64; a "
+        "prefill of four 64-token prompts), into matrix products, attention, the per-layer C++ kernels, the rest of "
+        "the forward pass, step metadata, sampling, the scheduler and the engine's bookkeeping (wrappers around "
+        "each, summed per step), and counts the torch operators and Python calls a step makes (a "
+        "`TorchDispatchMode`, `sys.setprofile`), which do not move with a neighbour's load as times do; it also "
+        "names the oneDNN implementation every matrix product took (oneDNN's verbose log for one step). Run: "
+        "`.venv/bin/python benchmarks/step_profile.py [--dtypes float32 bfloat16] [--batches 1 8 64] "
+        "[--json PATH]`.",
+        "",
         "## What each optimisation bought",
         "",
         "Each measured against its absence in the same run, in turns (median of several; `optimisations()` in "
@@ -458,7 +469,10 @@ def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], ar
         "batched attention, the C++ decode attention kernel, the per-layer C++ kernels, all threads. "
         "Weight-only int8 is opt-in (`EngineConfig(int8_rows=N)`, `slotserve bench --int8-rows N`): it "
         "changes outputs (the bench reports its greedy agreement) and pays where a step reads its "
-        "weights for few rows (the table says up to which batch).",
+        "weights for few rows (the table says up to which batch); N is a bound, and each weight shape's int8 "
+        "copy serves only up to the row count where it was measured faster than the dense product on the "
+        "machine at hand (`replica.model.linear.int8_crossover`, cached in "
+        "`~/.cache/slotserve/int8_crossover.json`; the rows below force int8 at every batch).",
         "",
         "| optimisation | without ms | with ms | speedup |",
         "|---|---:|---:|---:|",

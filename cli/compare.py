@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from cli import common
+from protocol import defaults
 from replica.scheduling.policies import POLICIES
 
 DEFAULT_OUT = Path("results")
@@ -58,7 +59,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     common.max_seq_len_arg(c)
     c.add_argument("--seed", type=int, default=0, help="workload seed")
     c.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT limit (s) for goodput")
-    c.add_argument("--slo-tpot", type=float, default=0.25, help="TPOT limit (s) for goodput")
+    c.add_argument("--slo-tpot", type=float, default=defaults.TPOT_SLO, help="TPOT limit (s) for goodput")
     c.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for results")
     common.engine_args(c)
     c.set_defaults(func=run)

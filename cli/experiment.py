@@ -13,6 +13,7 @@ from cli.help import RawDescriptionDefaultsHelpFormatter
 from experiments.experiment_report import against_serve, format_summary, prefix_ceilings, summarize_runs, write_report
 from experiments.plan import plan_experiment
 from experiments.run import run_experiment
+from experiments.scaling_report import against_static
 from metrics.store import DEFAULT_STORE
 from replica.errors import ConfigError
 from workloads.experiment import ExperimentError
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             ray.shutdown()
     rows = summarize_runs(result)
     print(format_summary(rows))
-    for line in against_serve(rows) + prefix_ceilings(result, rows):
+    for line in against_serve(rows) + prefix_ceilings(result, rows) + against_static(result, rows):
         print(line)
     out = args.out or experiment.path.parent / experiment.name
     report = write_report(result, rows, out, _command(args))
@@ -100,7 +101,7 @@ an experiment file (TOML; YAML takes the same keys):
 
   [slo]
   ttft = 2.0                            # seconds
-  tpot = 0.25
+  tpot = 0.25                           # seconds per output token; predicted_latency routes within it
   # e2e = 10.0
 
 Paths in the file are relative to its folder.

@@ -18,6 +18,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeats < 1:
         raise SystemExit(f"slotserve run: --repeats must be at least 1, got {args.repeats}")
+    slo = SLO(args.slo_ttft, args.slo_tpot)
     ensure_ray(args.address, start_local=False)
     owned = not common.running_cluster(args.address)
     spec = common.cluster_spec(args)
@@ -36,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
             args.seed,
             config=spec.model_dump() if owned else {"cluster": "already running"},
             repeats=args.repeats,
+            tpot_slo=slo.tpot,
         )
         store_path = Path(ray.get(deployment.store.path.remote(), timeout=60))
     finally:
@@ -46,7 +48,6 @@ def run(args: argparse.Namespace) -> int:
     if not store_path.exists():  # the cluster's store lives on another machine (its head node)
         print(f"recorded runs {runs} in {store_path} on the Ray cluster's head node (`slotserve report` there)")
         return 0
-    slo = SLO(args.slo_ttft, args.slo_tpot)
     if args.report:
         report.print_reports(store_path, list(map(str, run_ids)), slo)
     print_verdict(store_path, run_ids, slo)
@@ -94,7 +95,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     r.add_argument("--repeats", type=int, default=1, help="rounds of every --routing policy (for the spread)")
     r.add_argument("--slo-ttft", type=float, default=SLO.ttft, help="TTFT limit (s) of goodput in the report")
-    r.add_argument("--slo-tpot", type=float, default=SLO.tpot, help="TPOT limit (s) of goodput in the report")
+    r.add_argument(
+        "--slo-tpot",
+        type=float,
+        default=SLO.tpot,
+        help="TPOT limit (s) of goodput in the report, and the one predicted_latency routes within",
+    )
     r.add_argument("--requests", type=int, default=32, help="requests in the workload")
     r.add_argument("--load", type=float, default=0.8, help="arrival rate as a multiple of measured cluster capacity")
     r.add_argument("--report", action="store_true", help="print the report of the runs at the end")

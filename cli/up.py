@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from cli import common
+from protocol import defaults
 from protocol.errors import SlotServeError
 
 
@@ -158,7 +159,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     common.address_arg(u)
     common.cluster_args(u)
     u.add_argument("--slo-ttft", type=float, default=2.0, help="SLO for live goodput: seconds to first token")
-    u.add_argument("--slo-tpot", type=float, default=0.25, help="SLO for live goodput: seconds per output token")
+    u.add_argument(
+        "--slo-tpot",
+        type=float,
+        default=defaults.TPOT_SLO,
+        help="SLO for live goodput, and the one predicted_latency routes within: seconds per output token",
+    )
     autoscaling_args(u)
     disaggregation_args(u)
     u.set_defaults(func=run)

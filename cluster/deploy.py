@@ -1,3 +1,5 @@
+# Over 400 lines: the cluster spec with its checks and the start, find and stop of every actor
+# it names: one lifecycle, read top to bottom.
 """Start, find and stop a slotserve cluster on Ray: a metrics store actor (pinned to this
 node, where its SQLite file lives), N replica actors spread over the nodes, and the router.
 
@@ -24,13 +26,14 @@ from functools import partial
 from pathlib import Path
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from autoscaling.policies import AUTOSCALING_POLICIES, AutoscaleConfig
 from cluster.autoscaler import AUTOSCALER_ACTOR_NAME, AutoscalerActor, autoscaler_status
 from cluster.connection import NAMESPACE, ClusterError, connect, router_handle, use_token_auth
+from cluster.disaggregation import PoolsSpec
 from cluster.prometheus_exporters import replica_telemetry, router_telemetry
 from cluster.store_actor import STORE_ACTOR_NAME, StoreActor
 from metrics.definitions import SLO
@@ -38,12 +41,9 @@ from metrics.live import EXPORT_INTERVAL_MS
 from metrics.store import DEFAULT_STORE
 from protocol import defaults
 from protocol.replicas import ReplicaInfo, Unreachable
-from replica.model.fake import DEFAULT_KV_BYTES_PER_TOKEN
 from replica.serving.actor import ReplicaActor
 from replica.serving.loop import ReplicaConfig
 from router.actor import ROUTER_ACTOR_NAME, RouterActor
-from router.pd_decider import PD_DECIDERS
-from router.pd_router import PdPools
 from router.policies import ROUTING_POLICIES
 from workloads.capacity import Capacity
 
@@ -57,7 +57,7 @@ _owned: dict[str, object] = {}
 READY_TIMEOUT = 600  # seconds: a replica converting the default model on first use takes ~40 s
 
 
-class ClusterSpec(BaseModel):
+class ClusterSpec(PoolsSpec):
     model_config = ConfigDict(extra="forbid")
 
     num_replicas: int = Field(2, gt=0, description="replica actors (each one engine)")
@@ -79,7 +79,7 @@ class ClusterSpec(BaseModel):
     def _known_routing(cls, name: str) -> str:
         return ROUTING_POLICIES.check(name)
 
-    slo: SLO = Field(default_factory=SLO, description="the SLO the live goodput metrics count against")
+    slo: SLO = Field(default_factory=SLO, description="the live goodput's SLO, whose TPOT the router routes within")
     cost_scales: list[float] | None = Field(
         None,
         description="fake replicas of different speeds: replica i's step times x cost_scales[i] "
@@ -91,51 +91,6 @@ class ClusterSpec(BaseModel):
     replica_capacity: Capacity | None = Field(
         None, description="one replica's tokens/s, which the autoscaling policies that price work need"
     )
-    prefill_replicas: int = Field(
-        0, ge=0, description="replicas in the prefill role (with decode_replicas: num_replicas is their sum)"
-    )
-    decode_replicas: int = Field(0, ge=0, description="replicas in the decode role")
-    pd_decider: str = Field("threshold", description="P/D decider: which requests are disaggregated")
-    pd_threshold: int = Field(
-        256, ge=0, description="uncached prompt tokens from which the P/D decider disaggregates a request"
-    )
-
-    @field_validator("pd_decider")
-    @classmethod
-    def _known_decider(cls, name: str) -> str:
-        return PD_DECIDERS.check(name)
-
-    def role(self, index: int) -> str:
-        """Replica `replica-{index}`'s role: the first `prefill_replicas` prefill, the next
-        `decode_replicas` decode; mixed without roles (and past them)."""
-        if index < self.prefill_replicas:
-            return "prefill"
-        return "decode" if index < self.prefill_replicas + self.decode_replicas else "mixed"
-
-    def pd_pools(self) -> PdPools | None:
-        """The router's two pools (None: one pool of mixed replicas)."""
-        if not self.prefill_replicas:
-            return None
-        roles = {f"replica-{i}": self.role(i) for i in range(self.num_replicas)}
-        # A fake's K/V are priced at the default model's per-token size, and so is a real model's.
-        return PdPools(roles, self.pd_decider, self.pd_threshold, DEFAULT_KV_BYTES_PER_TOKEN)
-
-    @model_validator(mode="after")
-    def _pools_fit(self) -> ClusterSpec:
-        pools = self.prefill_replicas + self.decode_replicas
-        if not pools:
-            return self
-        if not (self.prefill_replicas and self.decode_replicas):
-            raise ValueError(
-                f"give both prefill_replicas and decode_replicas, or neither; got {self.prefill_replicas} "
-                f"prefill and {self.decode_replicas} decode"
-            )
-        if "num_replicas" in self.model_fields_set and self.num_replicas != pools:
-            raise ValueError(f"num_replicas {self.num_replicas} must be prefill_replicas + decode_replicas = {pools}")
-        if self.autoscale is not None:
-            raise ValueError("autoscaling scales one pool of mixed replicas: give no prefill/decode replicas with it")
-        self.num_replicas = pools
-        return self
 
     def replica_config(self, index: int) -> ReplicaConfig:
         """What replica `replica-{index}` is started with: `replica`, in its role, at its cost scale."""
@@ -220,20 +175,48 @@ def ensure_ray(address: str | None, start_local: bool) -> None:
         )
 
 
+def ray_autoscaler_limits() -> dict[str, float] | None:
+    """What Ray's autoscaler may bring up in all (each node type's resources times its max
+    count, as Ray tells its libraries), `{}` when an autoscaler runs whose limits Ray does not
+    tell, None when none runs (no autoscaling status in the cluster's store)."""
+    from ray._private import ray_constants
+    from ray._private.state import state
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    limits = state.get_max_resources_from_cluster_config()
+    if limits:
+        return {k: float(v) for k, v in limits.items()}
+    return {} if _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS) is not None else None
+
+
 def check_resources(spec: ClusterSpec) -> None:
     """Refuse at once a cluster Ray cannot place (a replica would wait forever as a pending
-    actor), naming what was asked and what the Ray cluster has."""
+    actor), naming what was asked and what the Ray cluster has. Where Ray's autoscaler runs,
+    the nodes it may add count (`ray_autoscaler_limits`): a replica that fits only there waits
+    for Ray to add the node; with no limits told, nothing is refused."""
     total = ray.cluster_resources()
-    for resource, per_replica, flag in (
-        ("CPU", spec.num_cpus_per_replica, "--num-cpus"),
-        ("GPU", spec.num_gpus_per_replica, "--num-gpus"),
-    ):
-        need, have = spec.num_replicas * per_replica, total.get(resource, 0.0)
-        if per_replica and need > have + 1e-9:
+    asked = [
+        (resource, per_replica, flag, spec.num_replicas * per_replica)
+        for resource, per_replica, flag in (
+            ("CPU", spec.num_cpus_per_replica, "--num-cpus"),
+            ("GPU", spec.num_gpus_per_replica, "--num-gpus"),
+        )
+        if per_replica
+    ]
+    short = [a for a in asked if a[3] > total.get(a[0], 0.0) + 1e-9]
+    limits = ray_autoscaler_limits() if short else None
+    if limits == {}:
+        return
+    for resource, per_replica, flag, need in short:
+        have = total.get(resource, 0.0) if limits is None else max(total.get(resource, 0.0), limits.get(resource, 0.0))
+        if need > have + 1e-9:
             fit = int((have + 1e-9) // per_replica)
+            where = (
+                "this Ray cluster has" if limits is None else "this Ray cluster with what its autoscaler may add has"
+            )
             raise ClusterError(
                 f"{spec.num_replicas} replicas x {per_replica:g} {resource} need {need:g} {resource}s; "
-                f"this Ray cluster has {have:g}: use --replicas {fit} or a smaller {flag}, or add nodes"
+                f"{where} {have:g}: use --replicas {fit} or a smaller {flag}, or add nodes"
             )
 
 
@@ -298,6 +281,7 @@ def start_cluster(spec: ClusterSpec, detached: bool = False) -> Deployment:
         health_period=spec.health_period,
         telemetry=router_telemetry(),
         pools=spec.pd_pools(),
+        tpot_slo=spec.slo.tpot,
     )
     try:
         ray.get([r.attach.remote(router, store) for r in replicas.values()], timeout=READY_TIMEOUT)

@@ -9,6 +9,10 @@ down. Its in-flight counts and reservations are this client's own requests: it i
 each end by the client (with the output length, so length estimates learn), not by the
 replicas, whose completions go to the actor as before. Several clients routing locally each
 know only their own requests between reports; the actor's view counts every client's.
+
+A cluster with prefill and decode pools is refused: its router (`router.pd_router.PdRouter`)
+places a request on two pools and moves each hand-over, which a one-pool `Router` here would
+get wrong; such a cluster is routed by its actor.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import weakref
 
 import ray
 
+from cluster.connection import ClusterError
 from protocol.errors import SlotServeError
 from protocol.routing import RouteRequest
 from replica.serving.loop import REPORT_INTERVAL
@@ -33,11 +38,18 @@ class LocalRouter:
 
     def __init__(self, router_actor, replica_ids: list[str], period: float = REPORT_INTERVAL):
         status = ray.get(router_actor.status.remote(), timeout=60)
+        pools = {r: role for r, role in status.get("roles", {}).items() if role != "mixed"}
+        if pools:
+            raise ClusterError(
+                'routing="local" routes one pool of mixed replicas; this cluster has prefill and decode pools '
+                f'({", ".join(f"{r}: {role}" for r, role in sorted(pools.items()))}): use routing="actor"'
+            )
         self._router = Router(
             replica_ids,
             status["policy"],
             max_in_flight_per_replica=status["max_in_flight_per_replica"],
             max_in_flight=status["max_in_flight"],
+            tpot_slo=status["tpot_slo"],
         )
         self._actor = router_actor
         self._lock = threading.Lock()

@@ -257,7 +257,7 @@ class Placer:
         carried = len(flight.token_ids)
         if flight.handover_from is not None:
             flight.attempts -= 1
-        flight.kv_fetch = None
+        flight.kv_fetch, flight.moving = None, True
         try:
             await self.place(flight, from_replica)
             to = flight.replica_id
@@ -270,3 +270,4 @@ class Placer:
             reason = f"{reason}; K/V computed again: {fetch.fallback}"
         record = MigrationRecord(flight.request_id, from_replica, to, carried, reason, time.time(), **kv)
         flight.result.migrations.append(record)
+        flight.moved()

@@ -37,6 +37,9 @@ class Result:
     error: str | None = None
     completion: float | None = None
     migrations: list[MigrationRecord] = field(default_factory=list)
+    # Prompt tokens the prefix cache of the replica it ended on held when that replica first
+    # admitted it (from its last event; None: not admitted, or the replica keeps no count).
+    cached_tokens: int | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -49,6 +52,7 @@ class Result:
         self.text += event.text
         if event.finished:
             self.finish_reason, self.error, self.completion = event.finish_reason, event.error, event.time
+            self.cached_tokens = event.cached_tokens
 
     def trace(
         self,
@@ -74,6 +78,7 @@ class Result:
             error=self.error,
             planned_arrival=planned,
             submit_lateness=(self.arrival if submitted is None else submitted) - planned,
+            cached_tokens=self.cached_tokens,
         )
 
 
@@ -110,6 +115,11 @@ class Flight:
     # disaggregation), until a replica accepts it; and what that replica's fetch came to.
     handover_from: str | None = None
     kv_fetch: KvFetch | None = None
+    # While a move places it, its final event waits until the move's record is on its result
+    # (a caller reading `Result.migrations` at the end must find it there).
+    moving: bool = False
+    _held_end: StreamEvent | None = None
+    _end_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def request_id(self) -> str:
@@ -131,7 +141,9 @@ class Flight:
 
     def end(self, replica_id: str, reason: str) -> None:
         now = time.time()
-        self.sink(StreamEvent(self.request_id, replica_id, [], "", now, True, FinishReason.ERROR, reason, now))
+        event = StreamEvent(self.request_id, replica_id, [], "", now, True, FinishReason.ERROR, reason, now)
+        if not self.hold_end(event):
+            self.sink(event)
 
     def settle(self) -> bool:
         """The replica accepted the flight: hand it to its feed. True when it must move again
@@ -143,6 +155,20 @@ class Flight:
             if again:
                 feed.flights.pop(self.request_id, None)
         return again
+
+    def hold_end(self, event: StreamEvent) -> bool:
+        """Keep the final event back while a move is recording itself (a feed's thread)."""
+        with self._end_lock:
+            if self.moving:
+                self._held_end = event
+            return self.moving
+
+    def moved(self) -> None:
+        """The move's record is on the result: deliver the final event if it came meanwhile."""
+        with self._end_lock:
+            self.moving, held, self._held_end = False, self._held_end, None
+        if held is not None:
+            self.sink(held)
 
     def unfeed(self) -> None:
         """The flight left its replica unfinished (aborted, or refused there): stop reading it."""
@@ -229,7 +255,9 @@ class ReplicaFeed:
                         continue
             flight.token_ids += event.token_ids
             flight.text += event.text
-            flight.sink(event.stamped(now))
+            stamped = event.stamped(now)
+            if not (event.finished and flight.hold_end(stamped)):
+                flight.sink(stamped)
         if moved and (mover := self._mover()) is not None:
             mover.move(moved, self._replica_id, why)
 

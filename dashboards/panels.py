@@ -230,4 +230,25 @@ ROWS = (
             ),
         ),
     ),
+    Row(
+        "Autoscaling",
+        (
+            Panel(
+                "Replicas by state",
+                "timeseries",
+                "short",
+                (Target(f"max by (state) ({select('autoscaler_replicas')})", "{{state}}"),),
+                "replicas the autoscaling controller holds: starting (asked for, not yet routed to), "
+                "serving, draining (routed nothing new, leaving once done)",
+            ),
+            Panel(
+                "Scaling decisions by direction",
+                "timeseries",
+                "short",
+                (Target(rate("autoscaler_decisions_total", by="direction"), "{{direction}}"),),
+                "decisions per second that scaled up, down or held (every decision period makes one); "
+                "each one's reason and inputs are in the store's scaling table and `slotserve status`",
+            ),
+        ),
+    ),
 )

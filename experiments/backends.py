@@ -8,6 +8,14 @@ saturating probes through the router, one decoding (output tokens/s) and one pre
 (prompt tokens/s) (real: the median of three each; simulated: the same probes on virtual time,
 which is deterministic), once per slots-per-replica value, so every batching and routing
 policy at one slot count sees exactly the same traffic.
+
+Capacity is measured on `cluster.replicas` replicas without pools (a prefill:decode split,
+`sweep.pools`, serves the same traffic as the colocated cells: on Ray a cluster started with the
+pools, in the simulator `sim.disaggregation`); a cell sized otherwise (`sweep.autoscale`:
+an autoscaling policy from its `min` replicas, or a static size) runs on a cluster of its own,
+its policy pricing work at one replica's share of that capacity. On Ray an autoscaled cell gets
+a fresh cluster with its controller (`cluster.autoscaler`); in the simulator it runs on
+`sim.autoscaling.AutoscalingSimulator`, the same policy objects on virtual time.
 """
 
 from __future__ import annotations
@@ -15,18 +23,22 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import ray
 from tqdm import tqdm
 
+from autoscaling.policies import AutoscaleConfig
 from cluster.client import Client, Result
 from cluster.deploy import Deployment
 from cluster.driver import run_workload
 from cluster.serve_baseline import SERVE_ROUTERS, ServeBaseline
 from experiments.plan import Cell, Plan
+from metrics.definitions import SLO
 from metrics.live import PROBE_REQUEST_PREFIX
 from metrics.store import MetricsStore
+from protocol import defaults
 from replica.errors import ConfigError
 from router.policies import DEFAULT_POLICY
 from workloads.capacity import PREFILL_PROBE_ROUNDS, PROBE_MAX_TOKENS, Capacity, prefill_probe_len, probe_capacity
@@ -97,18 +109,20 @@ def routing_experiment(
     config: dict,
     progress: bool = True,
     repeats: int = 1,
+    tpot_slo: float = defaults.TPOT_SLO,
 ) -> list[int]:
     """Replay a seeded workload once per routing policy in each of `repeats` rounds, round r
     with seed `seed + r` (its own traffic, so a lead that holds across rounds holds across
     arrival sequences, not only across reruns of one), the policies' order reversed every other
-    round so a drift of the machine favours none; returns the run ids."""
+    round so a drift of the machine favours none, each routed within `tpot_slo` (the TPOT limit
+    the runs are judged by); returns the run ids."""
     capacity = measure_capacity(deployment, progress=progress)
     batching = ray.get(next(iter(deployment.replicas.values())).info.remote()).policy
     run_ids = []
     for r in range(repeats):
         workload = at_load(workload_name, num_requests, load, capacity, seed + r)
         for policy in routing_policies if r % 2 == 0 else routing_policies[::-1]:
-            ray.get(deployment.router.set_policy.remote(policy))
+            ray.get(deployment.router.set_policy.remote(policy, tpot_slo))
             stamp = time.strftime("%H%M%S")
             run_ids.append(
                 run_workload(
@@ -125,6 +139,11 @@ def routing_experiment(
     return run_ids
 
 
+def experiment_slo(plan: Plan) -> SLO:
+    """The SLO the experiment's runs are judged by (its `[slo]`), which their router routes within."""
+    return SLO(**plan.experiment.slo.model_dump())
+
+
 class SimulatedBackend:
     """Cells in the simulator, recorded by this process (the store's only writer here)."""
 
@@ -132,15 +151,16 @@ class SimulatedBackend:
         self.plan, self.store = plan, store
         self.vocab_size: int | None = None  # the simulated model's vocabulary, read when capacity is measured
 
-    def _config(self, cell: Cell, routing: str, seed: int):
+    def _config(self, cell: Cell, routing: str, seed: int, replicas: int | None = None):
         from sim.simulator import SimulationConfig
 
         return SimulationConfig(
-            num_replicas=self.plan.experiment.cluster.replicas,
+            num_replicas=replicas or self.plan.experiment.cluster.replicas,
             engine=self.plan.engine_config(cell),
             routing_policy=routing,
             seed=seed,
             cost_scales=self.plan.experiment.cluster.cost_scales,
+            slo=experiment_slo(self.plan),
         )
 
     def capacity(self, cell: Cell) -> Capacity:
@@ -150,11 +170,34 @@ class SimulatedBackend:
         self.vocab_size = config.vocab_size
         return simulated_capacity(config, self.plan.cost)
 
-    def run(self, cell: Cell, workload: Workload, name: str, config: dict, slo: dict) -> int:
+    def run(
+        self, cell: Cell, workload: Workload, name: str, config: dict, slo: dict, replicas: int, capacity: Capacity
+    ) -> int:
+        """One cell on `replicas` replicas (an autoscaled one's start); `capacity` is the one
+        measured on `cluster.replicas`."""
+        from sim.autoscaling import AutoscalingSimulator, record_autoscaling
         from sim.simulator import record_simulation, simulate
 
-        result = simulate(workload, self._config(cell, cell.routing, cell.seed), self.plan.cost)
-        return record_simulation(self.store, result, name, slo, extra_config=config)
+        sim_config = self._config(cell, cell.routing, cell.seed, replicas)
+        autoscale = self.plan.scaling(cell)
+        if (pools := self.plan.pools(cell)) is not None:
+            from sim.disaggregation import simulate_pools, transfer_summary
+
+            result, transfers = simulate_pools(workload, sim_config, pools, self.plan.cost)
+            return record_simulation(self.store, result, name, slo, {**config, **transfer_summary(transfers)})
+        if not isinstance(autoscale, AutoscaleConfig):
+            return record_simulation(self.store, simulate(workload, sim_config, self.plan.cost), name, slo, config)
+        scaled = AutoscalingSimulator(
+            workload,
+            sim_config,
+            autoscale,
+            self.plan.cost,
+            self.plan.replica_capacity(capacity),
+            self.plan.cold_start_s,
+        ).simulate()
+        run_id = record_simulation(self.store, scaled.simulation, name, slo, config)
+        record_autoscaling(self.store, run_id, scaled)
+        return run_id
 
     def close(self) -> None:
         pass
@@ -164,8 +207,9 @@ class RayBackend:
     """Cells on a Ray cluster this experiment starts (and stops): slotserve's replicas and
     router, or, for a cell routed by one of Ray Serve's routers, the same replica engine as a
     Ray Serve application (`cluster.serve_baseline`) recording into a store actor of its own.
-    slotserve's cluster is restarted only when the cell's batching policy, slots or token budget
-    differ from the last cell's (each run starts its replicas' prefix caches empty); a Serve cell
+    slotserve's cluster is restarted only when the cell's batching policy, slots, token budget,
+    replica count or prefill:decode split differ from the last cell's (each run starts its replicas' prefix caches
+    empty), and for every autoscaled cell (each starts at its `min` replicas); a Serve cell
     always gets a fresh application, so its replicas' caches and its router's state (the prefix
     router's tree lives in the caller's handle) start empty too."""
 
@@ -189,22 +233,42 @@ class RayBackend:
             engine=self.plan.engine_config(cell), fake_step_seconds=c.fake_step_seconds, fake_cost=fake_cost
         )
 
-    def _deploy(self, cell: Cell) -> Deployment:
+    def _deploy(
+        self,
+        cell: Cell,
+        replicas: int | None = None,
+        autoscale: AutoscaleConfig | None = None,
+        replica_capacity: Capacity | None = None,
+    ) -> Deployment:
+        """slotserve's cluster for `cell`: `replicas` of them (None: cluster.replicas), grown
+        and shrunk by `autoscale`'s controller when given (always a fresh cluster)."""
         from cluster.deploy import ClusterSpec, start_cluster
 
-        if self.deployed != cell.deployment:
+        c = self.plan.experiment.cluster
+        replicas = replicas or c.replicas
+        pools = self.plan.pools(cell)
+        prefill = 0 if pools is None else pools.prefill_replicas
+        wanted = (cell.batching, cell.slots, cell.token_budget, replicas, prefill)
+        if self.deployed != wanted or autoscale is not None:
             self.close()
-            c = self.plan.experiment.cluster
             spec = ClusterSpec(
-                num_replicas=c.replicas,
+                num_replicas=replicas,
                 routing_policy=DEFAULT_POLICY if cell.routing in SERVE_ROUTERS else cell.routing,
                 replica=self._replica_config(cell),
                 num_cpus_per_replica=c.num_cpus,
                 num_gpus_per_replica=c.num_gpus,
                 store_path=str(self.store_path),
                 cost_scales=c.cost_scales,
+                slo=experiment_slo(self.plan),
+                autoscale=autoscale,
+                replica_capacity=replica_capacity,
+                prefill_replicas=prefill,
+                decode_replicas=replicas - prefill if prefill else 0,
+                pd_decider=c.pd_decider,
+                pd_threshold=c.pd_threshold,
             )
-            self.deployment, self.deployed = start_cluster(spec), cell.deployment
+            self.deployment = start_cluster(spec)
+            self.deployed = None if autoscale is not None else wanted  # an autoscaled one changes size
         return self.deployment
 
     def _deploy_serve(self, cell: Cell) -> ServeBaseline:
@@ -221,16 +285,24 @@ class RayBackend:
     def capacity(self, cell: Cell) -> Capacity:
         """Measured on slotserve's cluster (with its default policy) for every cell, Serve's
         included: the same engine at the same slots, so both see the same traffic."""
-        deployment = self._deploy(cell)
+        deployment = self._deploy(replace(cell, pools=f"0:{self.plan.experiment.cluster.replicas}"))  # no pools
         ray.get(deployment.router.set_policy.remote(DEFAULT_POLICY))
         self.vocab_size = ray.get(next(iter(deployment.replicas.values())).info.remote()).vocab_size
         return measure_capacity(deployment)
 
-    def run(self, cell: Cell, workload: Workload, name: str, config: dict, slo: dict) -> int:
+    def run(
+        self, cell: Cell, workload: Workload, name: str, config: dict, slo: dict, replicas: int, capacity: Capacity
+    ) -> int:
+        """One cell on `replicas` replicas (an autoscaled one's start); `capacity` is the one
+        measured on `cluster.replicas`."""
         run = {"name": name, "config": config, "batching_policy": cell.batching, "seed": cell.seed, "slo": slo}
         if cell.routing in SERVE_ROUTERS:
             return self._deploy_serve(cell).run_workload(workload, vocab_size=self.vocab_size, **run)
-        deployment = self._deploy(cell)
+        autoscale = self.plan.scaling(cell)
+        if isinstance(autoscale, AutoscaleConfig):
+            deployment = self._deploy(cell, replicas, autoscale, self.plan.replica_capacity(capacity))
+        else:
+            deployment = self._deploy(cell, replicas)
         ray.get(deployment.router.set_policy.remote(cell.routing))
         return run_workload(deployment, workload, routing_policy=cell.routing, progress=False, **run)
 

@@ -3,7 +3,11 @@ over seeds, with the spread as half the min-max range), and a Markdown report wi
 the command, the machine, the run ids and the plots, in one folder.
 
 Every figure comes from `metrics.goodput_report.analyze` of the stored runs (the docs/ARCHITECTURE.md metrics,
-for the whole cluster), so the report says what `slotserve report RUN` says about each run."""
+for the whole cluster), so the report says what `slotserve report RUN` says about each run.
+
+Where cells size their cluster differently (`sweep.autoscale`, `[cluster] autoscale`), rows also
+give what the cluster cost, and the best autoscaling policy is set against static provisioning
+(`experiments.scaling_report`)."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from pathlib import Path
 from cluster.serve_baseline import SERVE_ROUTERS
 from experiments.plan import AXES, Cell
 from experiments.run import ExperimentResult
+from experiments.scaling_report import SCALING_METRICS, against_static, scaling_figures
 from metrics.definitions import SLO
 from metrics.goodput_report import analyze
 from metrics.store import MetricsStore
@@ -59,19 +64,22 @@ class SummaryRow:
         values = self.values[key]
         if not values:
             return "-"
-        fmt = next(f for k, _, _, f in METRICS if k == key)
+        fmt = next(f for k, *_, f in [*METRICS, *SCALING_METRICS] if k == key)
         text = fmt.format(statistics.median(values))
         return text if len(values) < 2 else f"{text} ±{fmt.format((max(values) - min(values)) / 2)}"
 
 
 def summarize_runs(result: ExperimentResult) -> list[SummaryRow]:
     """The table's rows, in the order the cells ran."""
-    slo = SLO(**result.plan.experiment.slo.model_dump())
+    plan = result.plan
+    slo = SLO(**plan.experiment.slo.model_dump())
+    sized = any(s is not None for s in plan.scalings.values())
+    keys = [k for k, *_ in METRICS] + ([k for k, *_ in SCALING_METRICS] if sized else [])
     store = MetricsStore(result.store_path)
     rows: dict[tuple, SummaryRow] = {}
     try:
         for cell, run_id in result.runs:
-            row = rows.setdefault(cell.row, SummaryRow(cell, values={k: [] for k, *_ in METRICS}))
+            row = rows.setdefault(cell.row, SummaryRow(cell, values={k: [] for k in keys}))
             row.run_ids.append(run_id)
             a = analyze(store, run_id, slo)
             kept = ("prefix_hit_rate", "imbalance", "regret", "ttft_prediction", "index_staleness")
@@ -79,6 +87,10 @@ def summarize_runs(result: ExperimentResult) -> list[SummaryRow]:
             for key, _, value, _ in METRICS:
                 if (v := value(scope)) is not None:
                     row.values[key].append(v)
+            if sized:
+                for key, v in scaling_figures(store, run_id, a["cluster"]).items():
+                    if v is not None:
+                        row.values[key].append(v)
     finally:
         store.close()
     return list(rows.values())
@@ -96,9 +108,10 @@ def _key_text(row: SummaryRow, axis: str) -> str:
 
 def format_summary(rows: list[SummaryRow], markdown: bool = False) -> str:
     axes = shown_axes(rows)
-    metrics = [m for m in METRICS if m[0] not in PREDICTIONS or any(r.values[m[0]] for r in rows)]
-    header = axes + [h for _, h, _, _ in metrics]
-    body = [[_key_text(r, a) for a in axes] + [r.cell_text(k) for k, *_ in metrics] for r in rows]
+    metrics = [(k, h) for k, h, *_ in METRICS if k not in PREDICTIONS or any(r.values[k] for r in rows)]
+    metrics += [(k, h) for k, h, _ in SCALING_METRICS if k in rows[0].values]
+    header = axes + [h for _, h in metrics]
+    body = [[_key_text(r, a) for a in axes] + [r.cell_text(k) for k, _ in metrics] for r in rows]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(axes) + "---:|" * len(metrics)]
         lines += ["| " + " | ".join(cells) + " |" for cells in body]
@@ -291,7 +304,7 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
     finally:
         store.close()
     c, slo = experiment.cluster, experiment.slo
-    serve, ceilings = against_serve(rows), prefix_ceilings(result, rows)
+    serve, ceilings, static = against_serve(rows), prefix_ceilings(result, rows), against_static(result, rows)
     if c.model != "fake":
         model = c.model
     elif c.fake_step_seconds is not None:
@@ -306,6 +319,10 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
         )
     if c.cost_scales is not None:
         model += f", replicas' step times x {', '.join(f'{x:g}' for x in c.cost_scales)} (each its own)"
+    sizing = ""
+    if any(s is not None for s in result.plan.scalings.values()):
+        sizing = " (capacity measured on them; each cell sized as its scaling says"
+        sizing += f", a simulated cold start {result.plan.cold_start_s:g} s)" if result.simulated else ")"
     capacity = ", ".join(
         f"{v.decode_tokens_per_s:.1f} output tok/s and {v.prefill_tokens_per_s:.1f} prompt tok/s at {s} slots/replica"
         for s, v in result.capacities.items()
@@ -318,7 +335,7 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
         f"Made by `{command}` on {time.strftime('%Y-%m-%d')}, commit `{first['git_commit']}`.",
         "",
         f"- Machine: {machine_line(first['machine'] or {})}",
-        f"- Cluster: {c.replicas} replicas, {model}, max_seq_len {c.max_seq_len}, {c.dtype}"
+        f"- Cluster: {c.replicas} replicas{sizing}, {model}, max_seq_len {c.max_seq_len}, {c.dtype}"
         f"{'' if result.simulated else f', {c.num_cpus:g} CPU per replica'}",
         f"- Workload of the first cell: {first['config']['workload']}; seeds {experiment.sweep.seeds}"
         f"{'; each cell sets the arrival rate from its load' if experiment.sweep.load else ''}",
@@ -334,6 +351,7 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
         format_summary(rows, markdown=True),
         "",
         *(["## Against Ray Serve's routers", "", *[f"- {line}" for line in serve], ""] if serve else []),
+        *(["## Autoscaling against static provisioning", "", *[f"- {x}" for x in static], ""] if static else []),
         *(["## Prefix cache against the best possible", "", *[f"- {x}" for x in ceilings], ""] if ceilings else []),
         "## Runs",
         "",

@@ -51,7 +51,9 @@ def run_experiment(
                 result.vocab_size = backend.vocab_size
             capacity = result.capacities[cell.slots]
             workload = plan.workload(cell, capacity)
+            replicas = plan.num_replicas(cell, workload, capacity)
             name = f"{experiment.name} {cell.label}"
+            scaling = plan.scaling(cell)
             config = {
                 "experiment": experiment.name,
                 "experiment_file": str(experiment.path.resolve()),
@@ -61,9 +63,11 @@ def run_experiment(
                 "workload": workload.describe(),
                 "workload_params": workload.params,
                 "workload_spec": workload.spec,
+                "num_replicas": replicas,  # at the start: an autoscaler's changes are in the scaling table
+                "scaling": None if scaling is None else {"label": cell.scaling, **scaling.model_dump()},
             }
             try:
-                run_id = backend.run(cell, workload, name, config, slo)
+                run_id = backend.run(cell, workload, name, config, slo, replicas, capacity)
             except BaseException as err:
                 _end_unfinished(store, name, since, "aborted" if isinstance(err, KeyboardInterrupt) else "failed")
                 raise

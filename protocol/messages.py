@@ -62,7 +62,9 @@ class StreamEvent:
     event of a request has finished=True and its finish reason (and error, if it failed).
     `handed_over`: on a `migrate` ending, the request's K/V wait on this replica for the next
     one to fetch (`ReplicaActor.take_handover`: prefill/decode disaggregation) instead of
-    being computed again."""
+    being computed again. `cached_tokens`, on the last event: the prompt tokens this replica's
+    prefix cache held when it first admitted the request (None: never admitted, or no count),
+    which the client's trace and the store keep (a prefix-aware router's index staleness)."""
 
     request_id: str
     replica_id: str
@@ -74,6 +76,7 @@ class StreamEvent:
     error: str | None = None
     received: float | None = None
     handed_over: bool = False
+    cached_tokens: int | None = None
 
     @property
     def time(self) -> float:

@@ -55,8 +55,11 @@ class RequestOutput:
     finish_reason: FinishReason | None
     time: float
     error: str | None = None
-    # Set on the final output: the tokens the request made in all (a router's length estimates learn from it).
+    # Set on the final output: the tokens the request made in all (a router's length estimates learn from it),
+    # and the prompt tokens the prefix cache held at its first admission (None: never admitted), which
+    # measure how stale a prefix-aware router's belief was.
     num_output_tokens: int | None = None
+    num_cached_prompt_tokens: int | None = None
     # Set on the final output of a request handed over (finish reason MIGRATE): what goes to the receiver.
     handover: Handover | None = None
 
@@ -357,7 +360,15 @@ class Engine:
         self.kv_transfer.pending.pop(request.request_id, None)
         del self.requests[request.request_id]
         return RequestOutput(
-            request.request_id, new_tokens, new_text, True, reason, self.clock.now(), error, request.num_output_tokens
+            request.request_id,
+            new_tokens,
+            new_text,
+            True,
+            reason,
+            self.clock.now(),
+            error,
+            request.num_output_tokens,
+            num_cached_prompt_tokens=request.num_cached_prompt_tokens,
         )
 
     def wait_idle(self, next_arrival: float | None = None) -> None:

@@ -64,6 +64,7 @@ class RouterActor:
         health_timeout: float = 15.0,
         telemetry=None,
         pools: PdPools | None = None,
+        tpot_slo: float = defaults.TPOT_SLO,
     ):
         """`store`, if given, receives `add_decision_records.remote(run_id, decisions)` every `flush_every`
         decisions and on `flush()`. Decisions are recorded only inside a run (from
@@ -72,14 +73,15 @@ class RouterActor:
         A replica or the store may be given by its actor name (in the router's namespace)
         instead of a handle: a router Ray restarts after its creator has gone then finds them
         again by name, where handles passed by reference would be gone with their owner.
-        `pools`: the replicas' prefill/decode roles and the P/D decider (`router.pd_router`)."""
+        `pools`: the replicas' prefill/decode roles and the P/D decider (`router.pd_router`).
+        `tpot_slo`: the TPOT limit of the SLO runs are judged by (see `Router`)."""
         self._handles = {replica_id: _actor(h) for replica_id, h in replica_handles.items()}
         store = _actor(store) if store is not None else None
         bounds = {"max_in_flight_per_replica": max_in_flight_per_replica, "max_in_flight": max_in_flight}
         if pools is None:
-            self._router = Router(list(replica_handles), policy, seed=seed, **bounds)
+            self._router = Router(list(replica_handles), policy, seed=seed, tpot_slo=tpot_slo, **bounds)
         else:  # prefill and decode pools (router.pd_router)
-            self._router = PdRouter(list(replica_handles), pools, policy=policy, seed=seed, **bounds)
+            self._router = PdRouter(list(replica_handles), pools, policy=policy, seed=seed, tpot_slo=tpot_slo, **bounds)
         # live metrics: `telemetry(router)` builds the exporter it is given (cluster.prometheus_exporters)
         self._telemetry = telemetry(self._router) if telemetry else RouterTelemetry()
         self._bound_given = max_in_flight is not None  # else the bound in all follows the replica count
@@ -236,9 +238,9 @@ class RouterActor:
             if answers:
                 me.apply_health.remote(answers)
 
-    def set_policy(self, policy: str) -> None:
-        """Switch routing policy between runs (see `Router.set_policy`)."""
-        self._router.set_policy(policy)
+    def set_policy(self, policy: str, tpot_slo: float | None = None) -> None:
+        """Switch routing policy (and TPOT SLO) between runs (see `Router.set_policy`)."""
+        self._router.set_policy(policy, tpot_slo)
 
     def report(self, load_report: LoadReport) -> bool:
         """A replica's load report (see `Router.report`). A replica whose K/V events showed a gap

@@ -48,7 +48,7 @@ class PdRouter(Router):
         self.disaggregated = self.colocated = 0
 
     def _prefill_policy(self, name: str) -> RoutingPolicy:
-        policy = make_routing_policy(name, self.seed + 1)
+        policy = make_routing_policy(name, self.seed + 1, self.tpot_slo)
         policy.attach_block_index(self.block_index)
         return policy
 
@@ -77,8 +77,8 @@ class PdRouter(Router):
             prefill_pending_tokens=prefill.report.prefill_tokens_pending if prefill.report is not None else 0,
         )
 
-    def set_policy(self, policy: str) -> None:
-        super().set_policy(policy)
+    def set_policy(self, policy: str, tpot_slo: float | None = None) -> None:
+        super().set_policy(policy, tpot_slo)
         self.prefill_policy = self._prefill_policy(policy)
 
     def complete(self, request_id: str, replica_id: str | None = None, output_len: int | None = None) -> bool:

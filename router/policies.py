@@ -34,6 +34,7 @@ from router.work import DECODE_WEIGHT, WorkLedger
 class RoutingPolicy:
     name: str = ""
     uses_load = True  # whether decisions depend on load reports (else their signal age is None)
+    uses_tpot_slo = False  # whether it routes within the run's TPOT SLO (then made with `tpot_slo`)
 
     def __init__(self, seed: int = 0):
         self.rng = random.Random(seed)
@@ -369,10 +370,12 @@ class PredictedLatency(PrecisePrefix):
     the TPOT SLO); ties take turns, not `precise_prefix`'s placement."""
 
     name = "predicted_latency"
+    uses_tpot_slo = True
     choose = RoutingPolicy.choose
 
     def __init__(self, seed: int = 0, tpot_slo: float = defaults.TPOT_SLO, **pricing: float):
-        """`pricing`: `precise_prefix`'s (its pending-work ledger and length estimates)."""
+        """`tpot_slo`: the TPOT limit the run is judged by (`make_routing_policy` passes it);
+        `pricing`: `precise_prefix`'s (its pending-work ledger and length estimates)."""
         super().__init__(seed, **pricing)
         self.latency = LatencyModel(tpot_slo)
 
@@ -420,5 +423,8 @@ ROUTING_POLICIES: Registry[type[RoutingPolicy]] = Registry.of_named(
 DEFAULT_POLICY = LeastLoaded.name
 
 
-def make_routing_policy(name: str, seed: int = 0) -> RoutingPolicy:
-    return ROUTING_POLICIES[name](seed=seed)
+def make_routing_policy(name: str, seed: int = 0, tpot_slo: float = defaults.TPOT_SLO) -> RoutingPolicy:
+    """The policy `name`, seeded; `tpot_slo`: the TPOT limit (seconds per output token) of the
+    SLO the run is judged by, which the policies that predict TPOT route within."""
+    policy = ROUTING_POLICIES[name]
+    return policy(seed=seed, tpot_slo=tpot_slo) if policy.uses_tpot_slo else policy(seed=seed)

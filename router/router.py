@@ -36,10 +36,12 @@ class Router:
         max_decisions: int = 10_000,
         max_in_flight_per_replica: int = defaults.MAX_IN_FLIGHT_PER_REPLICA,
         max_in_flight: int | None = None,
+        tpot_slo: float = defaults.TPOT_SLO,
     ):
         """`max_decisions` bounds the undrained decision log; past it the oldest are dropped
         and counted in `decisions_dropped`. `max_in_flight` defaults to
-        `max_in_flight_per_replica` times the replicas."""
+        `max_in_flight_per_replica` times the replicas. `tpot_slo`: the TPOT limit of the SLO
+        the run is judged by, which a policy that predicts TPOT routes within."""
         if not replica_ids:
             raise RoutingError("a router needs at least one replica; got none")
         if max_in_flight_per_replica < 1 or (max_in_flight is not None and max_in_flight < 1):
@@ -47,14 +49,16 @@ class Router:
                 "in-flight bounds must be at least 1; "
                 f"got {max_in_flight_per_replica} per replica, {max_in_flight} in all"
             )
+        _check_tpot_slo(tpot_slo)
         self.max_in_flight_per_replica = max_in_flight_per_replica
         self.max_in_flight = max_in_flight or max_in_flight_per_replica * len(replica_ids)
         self.down: dict[str, str] = {}  # replica id -> why it gets no requests
         self.rejected = 0
         self._completions = CompletionRate()
         self.seed = seed
+        self.tpot_slo = tpot_slo
         self.block_index = BlockIndex()  # what each replica's prefix cache holds, from its K/V events
-        self.policy = make_routing_policy(policy, seed)
+        self.policy = make_routing_policy(policy, seed, tpot_slo)
         self.policy.attach_block_index(self.block_index)
         self.clock = clock or WallClock()
         self.load = LoadView(replica_ids)
@@ -146,11 +150,14 @@ class Router:
         self.load.require(replica_id)
         return self.down.pop(replica_id, None) is not None
 
-    def set_policy(self, policy: str) -> None:
-        """Route with another policy from now on (a fresh one, seeded as at construction);
-        requests in flight and load reports carry over, so consecutive runs compare policies
-        on the same view."""
-        self.policy = make_routing_policy(policy, self.seed)
+    def set_policy(self, policy: str, tpot_slo: float | None = None) -> None:
+        """Route with another policy from now on (a fresh one, seeded as at construction), within
+        the next run's TPOT SLO `tpot_slo` (None: the one routed within so far); requests in
+        flight and load reports carry over, so consecutive runs compare policies on the same view."""
+        tpot_slo = self.tpot_slo if tpot_slo is None else tpot_slo
+        _check_tpot_slo(tpot_slo)
+        self.policy = make_routing_policy(policy, self.seed, tpot_slo)
+        self.tpot_slo = tpot_slo
         self.policy.attach_block_index(self.block_index)
 
     def complete(self, request_id: str, replica_id: str | None = None, output_len: int | None = None) -> bool:
@@ -196,6 +203,7 @@ class Router:
         views = self.load.views(self.clock.now())
         return {
             "policy": self.policy.name,
+            "tpot_slo": self.tpot_slo,
             "routed": self.routed,
             "decisions_dropped": self.decisions_dropped,
             "unknown_completions": self.load.unknown_completions,
@@ -220,3 +228,8 @@ class Router:
                 for v in views
             },
         }
+
+
+def _check_tpot_slo(tpot_slo: float) -> None:
+    if not tpot_slo > 0:
+        raise RoutingError(f"tpot_slo must be a positive number of seconds per output token; got {tpot_slo}")

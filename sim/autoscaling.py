@@ -16,14 +16,16 @@ arrivals since the last decision) and its decision is acted on at once:
   the end of its drain (its last step), its cancellation, or the end of the run.
 
 Static provisioning is the plain simulator: `static_replica_seconds` counts its replicas over
-the same span, from 0 to the run's last step (`run_end`)."""
+the same span, from 0 to the run's last step (`run_end`); `offered_load` is what sizes it (at the
+peak or the mean)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from autoscaling.policies import AutoscaleConfig, make_autoscaling_policy
-from protocol.scaling import ArrivalWindow, ScalingDecision, ScalingObservation
+from metrics.store import MetricsStore
+from protocol.scaling import ArrivalWindow, ColdStart, ScalingDecision, ScalingObservation
 from replica.errors import ConfigError
 from replica.model.fake import CostModel
 from sim.simulator import SimulationConfig, SimulationResult, Simulator, _advance
@@ -228,6 +230,16 @@ class AutoscalingSimulator(Simulator):
         )
 
 
+def record_autoscaling(store: MetricsStore, run_id: int, result: AutoscalingResult) -> None:
+    """Write a simulated run's scaling decisions and its started replicas' cold starts (each
+    `cold_start_s`, in every phase) to the store's `scaling` and `cold_starts` tables, as the
+    cluster's controller does."""
+    store.add_scaling(run_id, [asdict(d) for d in result.decisions])
+    started = [s for s in result.spans if s.ready is not None and s.ready > s.requested]
+    cold = result.cold_start_s
+    store.add_cold_starts(run_id, [asdict(ColdStart(s.replica_id, s.requested, cold, cold, cold)) for s in started])
+
+
 def run_end(result: SimulationResult) -> float:
     """When the run's last step ended (or its last request, if that is later): the span over
     which every replica is counted."""
@@ -239,3 +251,14 @@ def run_end(result: SimulationResult) -> float:
 def static_replica_seconds(result: SimulationResult) -> float:
     """Replica-seconds of a static cluster: every replica from 0 to the run's end."""
     return result.config.num_replicas * run_end(result)
+
+
+def offered_load(workload: Workload, capacity: Capacity, window_s: float | None) -> float:
+    """Replicas kept exactly busy by the workload: over its busiest `window_s` (None: its whole span)."""
+    span = max(r.arrival for r in workload.requests)
+    if window_s is None:
+        return sum(capacity.work_seconds(r.prompt_len, r.output_len) for r in workload.requests) / span
+    windows = [0.0] * (int(span // window_s) + 1)
+    for r in workload.requests:
+        windows[int(r.arrival // window_s)] += capacity.work_seconds(r.prompt_len, r.output_len)
+    return max(windows) / window_s

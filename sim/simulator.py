@@ -30,7 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator
 
-from metrics.definitions import RequestTrace
+from metrics.definitions import SLO, RequestTrace
 from metrics.recording import record_run
 from protocol.blocks import block_hashes
 from protocol.clock import FakeClock
@@ -64,6 +64,7 @@ class SimulationConfig(BaseModel):
         min_length=1,
         description="replicas of different speeds: replica i's step times x cost_scales[i] (repeating past the list)",
     )
+    slo: SLO = Field(default_factory=SLO, description="the SLO the run is judged by; the router routes within its TPOT")
 
     @field_validator("routing_policy")
     @classmethod
@@ -123,7 +124,7 @@ class Simulator:
         self.check_invariants = check_invariants
         self.clock = FakeClock()  # the router's: global virtual time
         ids = [f"r{i}" for i in range(self.config.num_replicas)]
-        self.router = Router(ids, self.config.routing_policy, self.clock, seed=self.config.seed)
+        self.router = self._make_router(ids)
         self.replicas = [self._make_replica(i, rid) for i, rid in enumerate(ids)]
         self._by_id = {r.replica_id: r for r in self.replicas}
         self.schedule = ArrivalSchedule(workload)
@@ -137,6 +138,15 @@ class Simulator:
         self._errors: dict[str, str] = {}
         self._steps: dict[str, list[StepRecord]] = {rid: [] for rid in ids}
         self._decisions: list[Decision] = []
+
+    def _make_router(self, ids: list[str]) -> Router:
+        """The router over the replicas (`sim.disaggregation`: one over two pools)."""
+        return Router(ids, self.config.routing_policy, self.clock, seed=self.config.seed, tpot_slo=self.config.slo.tpot)
+
+    def _hands_over(self, replica_id: str) -> bool:
+        """Whether the replica only prefills what it is routed (`sim.disaggregation`: a prefill
+        replica, whose requests end here handed over once their first token is out)."""
+        return False
 
     def _make_replica(self, index: int, replica_id: str) -> _Replica:
         clock = FakeClock()
@@ -208,6 +218,7 @@ class Simulator:
                     request_id=rid,
                     arrival_time=planned,
                     oracle_output_len=spec.output_len,
+                    hand_over=self._hands_over(replica.replica_id),
                 )
             except SlotServeError as err:  # refused by the router or at submission, as the cluster's driver records it
                 self._errors[rid] = str(err)
@@ -261,7 +272,7 @@ class Simulator:
         """What the step did reaches the router now: completions first, then the load report."""
         replica.busy = False
         for output in result.outputs:
-            if output.finished:
+            if output.finished and output.handover is None:  # a hand-over is a subclass's to deliver
                 request, replica_id = self._requests[output.request_id]
                 self._done[output.request_id] = request_trace(request, output.time, replica_id)
                 self.router.complete(output.request_id, output_len=request.num_output_tokens)
@@ -334,7 +345,7 @@ def record_simulation(
 ) -> int:
     """Write a simulation into the metrics store through `metrics.recording.record_run`, with
     the rows the cluster writes, the run marked simulated and `extra_config` added to its
-    config; returns its run id."""
+    config, under `slo` (default: the SLO it was routed within, its config's); returns its run id."""
     config, workload = result.config, result.workload
     run_config = {
         "simulated": True,
@@ -365,7 +376,7 @@ def record_simulation(
         batching_policy=config.engine.policy,
         routing_policy=config.routing_policy,
         seed=config.seed,
-        slo=slo,
+        slo=asdict(config.slo) if slo is None else slo,
         simulated=True,
         traces=traces,
         steps=[(rid, config.engine.num_slots, record) for rid, records in result.steps.items() for record in records],

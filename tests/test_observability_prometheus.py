@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from autoscaling.policies import AutoscaleConfig
 from cluster.client import Client
 from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
 from cluster.driver import run_workload
@@ -49,6 +50,9 @@ FAKE = ReplicaConfig(
     ),
     fake_step_seconds=0.01,
 )
+# The autoscaling controller runs (its panels need its series) but is held at the 2 replicas
+# the other panels are checked against.
+HELD_AT_TWO = AutoscaleConfig(policy="target_ongoing", min_replicas=2, max_replicas=2)
 WINDOW = 6.0  # seconds: the rate window put in for Grafana's $__rate_interval
 TOLERANCE = 0.1  # occupancy, absolute: a window's edges are uncertain by an export plus a scrape (~2 s of 6)
 
@@ -85,7 +89,13 @@ def live(tmp_path_factory):
     prometheus = None
     try:
         deployment = start_cluster(
-            ClusterSpec(num_replicas=2, replica=FAKE, store_path=str(tmp / "store.db"), slo=SLO(ttft=5.0, tpot=0.5))
+            ClusterSpec(
+                num_replicas=2,
+                replica=FAKE,
+                store_path=str(tmp / "store.db"),
+                slo=SLO(ttft=5.0, tpot=0.5),
+                autoscale=HELD_AT_TWO,
+            )
         )
         discovery = write_service_discovery()
         port = _free_port()
@@ -261,7 +271,9 @@ def test_top_draws_live_frames_in_a_pseudo_terminal(live):
     assert text.index("\x1b[?1049h") < text.index("\x1b[H\x1b[2J") < text.rindex("\x1b[?1049l")
     frames = text.split("\x1b[H\x1b[2J")[1:]
     assert len(frames) == 3
-    rows = [re.findall(r"^(replica-\d)\s+\[[#.]+\]\s+(\d+)%\s+\d+/4 .*?(\S+)\s+\S+ ms\s*$", f, re.M) for f in frames]
+    # an autoscaled cluster's rows carry each replica's state ("serving") before its occupancy
+    line = r"^(replica-\d)\s+(?:serving\s+)?\[[#.]+\]\s+(\d+)%\s+\d+/4 .*?(\S+)\s+\S+ ms\s*$"
+    rows = [re.findall(line, f, re.M) for f in frames]
     assert all({r[0] for r in frame} == REPLICAS for frame in rows), frames[-1]
     assert any(int(r[1]) > 0 for frame in rows for r in frame), frames
     assert all(r[2] != "-" for frame in rows[1:] for r in frame), frames[-1]

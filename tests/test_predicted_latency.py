@@ -18,6 +18,7 @@ from replica.config import EngineConfig
 from replica.engine import Engine
 from replica.model.fake import FlatCostModel, ScriptedFakeRunner
 from replica.serving.loop import ReplicaConfig
+from router.errors import RoutingError
 from router.load import ReplicaView
 from router.policies import make_routing_policy
 from router.predicted_latency import LatencyModel
@@ -103,6 +104,93 @@ def test_tpot_filter_prefers_the_replica_that_meets_the_slo():
     for tpot_slo, chosen in ((0.05, "b"), (0.001, "a")):
         scores = LatencyModel(tpot_slo).scores(request, views, {}, 16.0)
         assert views[min(range(2), key=scores.__getitem__)].replica_id == chosen
+
+
+def test_the_runs_tpot_slo_reaches_the_policy_through_the_router():
+    """Replica a gives the first token soonest but decodes at about 0.11 s per token, b at about
+    0.01: a router made with a tight TPOT limit (0.05 s) sends the request to b, one with a loose
+    limit (1 s) to a, and `set_policy` carries a new limit to the fresh policy (or keeps the one
+    it had); a limit that is not a positive number is refused."""
+    quick_start = StepPricing(LinearCostModel(c0=0.01, c_decode=0.1, c_prefill=0.0, c_ctx=0.0, c_held=0.0), 256)
+    quick_decode = StepPricing(LinearCostModel(c0=0.01, c_decode=0.0, c_prefill=0.001, c_ctx=0.0, c_held=0.0), 256)
+
+    def router(tpot_slo: float | None) -> Router:
+        made = Router(["a", "b"], "least_loaded", FakeClock())
+        made.set_policy("predicted_latency", tpot_slo)
+        made.report(_report("a", 0.0, quick_start))
+        made.report(_report("b", 0.0, quick_decode))
+        return made
+
+    for tpot_slo, chosen in ((0.05, "b"), (1.0, "a")):
+        made = Router(["a", "b"], "predicted_latency", FakeClock(), tpot_slo=tpot_slo)
+        made.report(_report("a", 0.0, quick_start))
+        made.report(_report("b", 0.0, quick_decode))
+        assert made.route(RouteRequest("x", prompt_len=100, max_tokens=16)).replica_id == chosen, tpot_slo
+        assert router(tpot_slo).route(RouteRequest("x", prompt_len=100, max_tokens=16)).replica_id == chosen
+    kept = Router(["a", "b"], "least_loaded", FakeClock(), tpot_slo=0.05)
+    kept.set_policy("predicted_latency")
+    assert kept.policy.latency.tpot_slo == 0.05 and kept.status()["tpot_slo"] == 0.05
+    assert make_routing_policy("predicted_latency", tpot_slo=0.3).latency.tpot_slo == 0.3
+    assert make_routing_policy("least_loaded", tpot_slo=0.3).name == "least_loaded"  # takes no SLO
+    with pytest.raises(RoutingError, match="tpot_slo"):
+        Router(["a"], "predicted_latency", FakeClock(), tpot_slo=0.0)
+    with pytest.raises(RoutingError, match="tpot_slo"):
+        kept.set_policy("predicted_latency", -1.0)
+
+
+SLO_EXPERIMENT = """\
+name = "tpot-limit"
+description = "two fake replicas, one four times slower per step, routed by predicted_latency"
+
+[workload]
+standard = "bursty-mix"
+args = {{ num_requests = 16 }}
+
+[cluster]
+replicas = 2
+slots = 4
+max_seq_len = 256
+model = "fake"
+fake_step_seconds = 0.01
+cost_scales = [1.0, 4.0]
+
+[sweep]
+batching = ["continuous"]
+routing = ["predicted_latency"]
+load = [0.5]
+seeds = [0]
+
+[slo]
+ttft = 2.0
+tpot = {tpot}
+"""
+
+
+@pytest.mark.parametrize("tpot", [0.02, 1.0])
+def test_the_experiments_slo_reaches_the_policy_in_a_simulated_run(tmp_path, tpot):
+    """A simulated experiment routes within its file's `[slo] tpot`: the slow replica decodes at
+    0.04 s per token, so under a 0.02 s limit every decision scores it out (+inf, stored as
+    null) and the fast replica serves every request, while under a 1 s limit every decision
+    scores both by their predicted TTFT; the run records the SLO it was routed within."""
+    from experiments.plan import plan_experiment
+    from experiments.run import run_experiment
+    from metrics.store import MetricsStore
+
+    path = tmp_path / "tpot.toml"
+    path.write_text(SLO_EXPERIMENT.format(tpot=tpot))
+    result = run_experiment(
+        plan_experiment(path, simulate=True), simulate=True, store_path=tmp_path / "s.db", progress=False
+    )
+    store = MetricsStore(tmp_path / "s.db")
+    [(_, run_id)] = result.runs
+    assert store.run(run_id)["slo"]["tpot"] == tpot
+    decisions = store.decisions(run_id)
+    scored_out = [d["scores"]["r1"] is None for d in decisions]
+    assert len(decisions) == 16 and all(d["scores"]["r0"] is not None for d in decisions)
+    if tpot < 0.04:
+        assert all(scored_out) and {t.replica for t in store.traces(run_id)} == {"r0"}
+    else:
+        assert not any(scored_out)
 
 
 def test_router_records_the_prediction_of_the_chosen_replica():

@@ -160,3 +160,40 @@ def test_a_gap_in_kv_events_brings_a_snapshot_from_the_replica(local_ray):
     wait_until(
         lambda: index()["snapshots_wanted"] == [] and index()["blocks"][served] >= 4, 20, "the snapshot to be indexed"
     )
+
+
+@pytest.mark.timeout(300)
+def test_a_precise_prefix_run_stores_what_each_replica_found_cached(local_ray, capsys):
+    """On Ray, the prompt tokens a replica's prefix cache held when it first admitted a request
+    ride on the request's last event to the client's trace and into the store: in a
+    precise_prefix run of 16 prompts on two 64-token prefixes every request has its count, the
+    repeats of a prefix found all of it, and `slotserve report` prints the index staleness it
+    measures against what the router believed cached."""
+    from cli.main import main
+    from cluster.driver import run_workload
+    from workloads.workload import Workload, WorkloadRequest
+
+    path, deployment = local_ray
+    ray.get(deployment.router.set_policy.remote("precise_prefix"))
+    requests = [
+        WorkloadRequest(0.05 * i, 80, 4, blocks=tuple(range(4 * (i % 2), 4 * (i % 2) + 4)), block_len=16)
+        for i in range(16)
+    ]
+    run_id = run_workload(
+        deployment,
+        Workload("two-prefixes", 7, requests),
+        name="two-prefixes",
+        config={},
+        batching_policy="continuous",
+        routing_policy="precise_prefix",
+        progress=False,
+    )
+    store = MetricsStore(path / "store.db")
+    rows = store.requests(run_id)
+    assert len(rows) == 16 and all(r["finish_reason"] == "length" for r in rows)
+    assert all(r["cached_tokens"] is not None for r in rows), rows
+    assert sum(r["cached_tokens"] == 64 for r in rows) >= 12  # all but the first of each prefix, nearly
+    assert any(d["believed_cached"] for d in store.decisions(run_id))
+    capsys.readouterr()
+    assert main(["report", str(run_id), "--store", str(path / "store.db")]) == 0
+    assert "prefix index staleness" in capsys.readouterr().out

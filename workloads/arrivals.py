@@ -7,12 +7,14 @@ releases them at run time)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 from workloads.workload import SpecModel, Workload
 
@@ -121,6 +123,61 @@ class GammaArrivals(_Process):
         return times
 
 
+class DiurnalArrivals(_Process):
+    """A compressed day (`workloads.diurnal`): a cosine from the trough at the day's edges to a
+    midday peak `peak_to_trough` times higher, plus `bursts` bursts a day; an inhomogeneous
+    Poisson process drawn by thinning. As a spec's arrivals it gives the first `num_requests`
+    of them: rate x day_s of them cover one day."""
+
+    process: Literal["diurnal"] = "diurnal"
+    rate: PositiveFloat = Field(description="requests/s averaged over the day's curve, bursts left out")
+    day_s: PositiveFloat = Field(600.0, description="seconds of one compressed day")
+    peak_to_trough: float = Field(4.0, ge=1.0, description="the midday rate over the rate at the day's edges")
+    bursts: NonNegativeInt = Field(4, description="bursts a day, each at a uniformly random time")
+    burst_s: PositiveFloat = Field(10.0, description="seconds a burst lasts")
+    burst_factor: float = Field(2.0, ge=1.0, description="the rate inside a burst over the curve's")
+
+    @property
+    def trough(self) -> float:
+        return 2 * self.rate / (1 + self.peak_to_trough)
+
+    @property
+    def mean_rate(self) -> float:
+        """The long-run mean rate: the curve's, plus what the bursts add in expectation (a burst
+        at a uniform time meets the curve at its mean)."""
+        return self.rate * (1 + self.bursts * self.burst_s * (self.burst_factor - 1) / self.day_s)
+
+    def with_mean_rate(self, rate: float) -> DiurnalArrivals:
+        """The same day at a long-run mean of `rate` (the curve and the bursts scaled together)."""
+        return self.replace(rate=self.rate * rate / self.mean_rate)
+
+    def curve(self, t: float) -> float:
+        """The rate at `t` without bursts."""
+        peak = self.trough * self.peak_to_trough
+        return self.trough + (peak - self.trough) * (1 - math.cos(2 * math.pi * t / self.day_s)) / 2
+
+    def burst_starts(self, day: int, rng: random.Random) -> list[float]:
+        """Where day `day`'s bursts begin, drawn from `rng` (called once per day, in order)."""
+        span = max(0.0, self.day_s - self.burst_s)
+        return sorted(day * self.day_s + rng.uniform(0, span) for _ in range(self.bursts))
+
+    def arrivals(self, rng: random.Random) -> Iterator[float]:
+        """Arrival times, in order, for ever."""
+        top = self.trough * self.peak_to_trough * self.burst_factor
+        t, day, starts = 0.0, -1, []
+        while True:
+            t += rng.expovariate(top)
+            while int(t // self.day_s) != day:
+                day += 1
+                starts = self.burst_starts(day, rng)
+            rate = self.curve(t) * (self.burst_factor if any(s <= t < s + self.burst_s for s in starts) else 1.0)
+            if rng.random() * top < rate:
+                yield t
+
+    def times(self, n: int, rng: random.Random) -> list[float]:
+        return list(itertools.islice(self.arrivals(rng), n))
+
+
 class ClosedLoopArrivals(_Process):
     """`users` concurrent users; request i belongs to user i % users. Each user sends its first
     request at t=0 and each next one exactly `think_time` seconds after its previous one
@@ -133,7 +190,8 @@ class ClosedLoopArrivals(_Process):
 
 
 ArrivalProcess = Annotated[
-    AllAtOnce | PoissonArrivals | BurstyArrivals | GammaArrivals | ClosedLoopArrivals, Field(discriminator="process")
+    AllAtOnce | PoissonArrivals | BurstyArrivals | GammaArrivals | DiurnalArrivals | ClosedLoopArrivals,
+    Field(discriminator="process"),
 ]
 
 

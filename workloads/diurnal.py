@@ -4,7 +4,9 @@ Arrivals are Poisson with a rate that follows a cosine from its trough (the day'
 to its peak (midday), `peak_to_trough` times higher, with `bursts` bursts a day placed at random
 (each `burst_s` long at `burst_factor` times the rate there). Drawn by thinning: candidates at
 the highest rate the day reaches, each kept with probability rate(t) / that rate, so the
-arrivals are exactly an inhomogeneous Poisson process of rate(t).
+arrivals are exactly an inhomogeneous Poisson process of rate(t). The process is
+`workloads.arrivals.DiurnalArrivals` (process "diurnal"), so a `WorkloadSpec` (an experiment
+file's) can draw its first `num_requests` arrivals too.
 
 `DiurnalDay` is the whole workload (the arrivals over `days` days and the length
 distributions), seeded like `workloads.spec.WorkloadSpec`'s split layout: arrivals from the
@@ -12,56 +14,13 @@ stream "{seed}-arrivals", lengths from "{seed}-lengths", so two seeds differ in 
 
 from __future__ import annotations
 
-import math
 import random
-from collections.abc import Iterator
 
-from pydantic import Field, NonNegativeInt, PositiveFloat
+from pydantic import Field, PositiveFloat
 
+from workloads.arrivals import DiurnalArrivals
 from workloads.lengths import LengthDist, LognormalLength, UniformLength
 from workloads.workload import SpecModel, Workload, WorkloadRequest
-
-
-class DiurnalArrivals(SpecModel):
-    rate: PositiveFloat = Field(description="requests/s averaged over the day's curve, bursts left out")
-    day_s: PositiveFloat = Field(600.0, description="seconds of one compressed day")
-    peak_to_trough: float = Field(4.0, ge=1.0, description="the midday rate over the rate at the day's edges")
-    bursts: NonNegativeInt = Field(4, description="bursts a day, each at a uniformly random time")
-    burst_s: PositiveFloat = Field(10.0, description="seconds a burst lasts")
-    burst_factor: float = Field(2.0, ge=1.0, description="the rate inside a burst over the curve's")
-
-    @property
-    def trough(self) -> float:
-        return 2 * self.rate / (1 + self.peak_to_trough)
-
-    @property
-    def mean_rate(self) -> float:
-        """The long-run mean rate: the curve's, plus what the bursts add in expectation (a burst
-        at a uniform time meets the curve at its mean)."""
-        return self.rate * (1 + self.bursts * self.burst_s * (self.burst_factor - 1) / self.day_s)
-
-    def curve(self, t: float) -> float:
-        """The rate at `t` without bursts."""
-        peak = self.trough * self.peak_to_trough
-        return self.trough + (peak - self.trough) * (1 - math.cos(2 * math.pi * t / self.day_s)) / 2
-
-    def burst_starts(self, day: int, rng: random.Random) -> list[float]:
-        """Where day `day`'s bursts begin, drawn from `rng` (called once per day, in order)."""
-        span = max(0.0, self.day_s - self.burst_s)
-        return sorted(day * self.day_s + rng.uniform(0, span) for _ in range(self.bursts))
-
-    def arrivals(self, rng: random.Random) -> Iterator[float]:
-        """Arrival times, in order, for ever."""
-        top = self.trough * self.peak_to_trough * self.burst_factor
-        t, day, starts = 0.0, -1, []
-        while True:
-            t += rng.expovariate(top)
-            while int(t // self.day_s) != day:
-                day += 1
-                starts = self.burst_starts(day, rng)
-            rate = self.curve(t) * (self.burst_factor if any(s <= t < s + self.burst_s for s in starts) else 1.0)
-            if rng.random() * top < rate:
-                yield t
 
 
 class DiurnalDay(SpecModel):

@@ -23,16 +23,18 @@ import re
 import tomllib
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     PrivateAttr,
+    StringConstraints,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -40,6 +42,7 @@ from pydantic import (
 )
 
 from protocol import defaults
+from protocol.handover import KvLink
 from workloads.spec import TraceSpec, WorkloadSpec, parse_spec
 from workloads.standard import STANDARD_SPECS, standard_spec
 from workloads.traces import TraceError
@@ -87,7 +90,11 @@ class ClusterSection(_Section):
     of the fake model); `cost_scale` multiplies its step times (0.25 plays the calibrated
     machine four times faster, with the same relative costs), or `cost_scales` each replica's
     (replicas of different speeds). `engine` takes any other EngineConfig field (max_wait,
-    kv_budget_tokens, kv_cache, block_size, prefix_caching)."""
+    kv_budget_tokens, kv_cache, block_size, prefix_caching). `prefill_replicas` and
+    `decode_replicas` split the replicas into pools (prefill/decode disaggregation; `replicas`
+    is then their sum), `pd_decider` and `pd_threshold` choose which requests are
+    disaggregated (checked by the plan), and `kv_link` is what a simulated hand-over's K/V cross:
+    "same_node", "cross_node" or a table {bandwidth_bytes_per_s, latency_s}."""
 
     replicas: PositiveInt = 2
     slots: PositiveInt = Field(defaults.NUM_SLOTS, description="slots per replica, unless sweep.slots is given")
@@ -113,6 +120,34 @@ class ClusterSection(_Section):
         None,
         description="policy, min, max and the rest of an autoscaling.policies.AutoscaleConfig (checked by the plan)",
     )
+    prefill_replicas: NonNegativeInt = Field(0, description="replicas in the prefill role (0: no pools)")
+    decode_replicas: NonNegativeInt = Field(0, description="replicas in the decode role")
+    pd_decider: str = Field("threshold", description="P/D decider (router.pd_decider), checked by the plan")
+    pd_threshold: NonNegativeInt = Field(256, description="uncached prompt tokens from which it disaggregates")
+    kv_link: Literal["same_node", "cross_node"] | KvLink = Field(
+        "same_node", description="the link a simulated hand-over's K/V cross (protocol.handover)"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replicas_of_pools(cls, data: Any) -> Any:
+        """With pools and no `replicas`, the cluster is the pools."""
+        if isinstance(data, dict) and "replicas" not in data and (data.get("prefill_replicas") or 0) > 0:
+            return {**data, "replicas": data["prefill_replicas"] + (data.get("decode_replicas") or 0)}
+        return data
+
+    @model_validator(mode="after")
+    def _pools_fit(self) -> ClusterSection:
+        if not (self.prefill_replicas or self.decode_replicas):
+            return self
+        if not (self.prefill_replicas and self.decode_replicas):
+            raise ValueError("give both prefill_replicas and decode_replicas, or neither")
+        if self.prefill_replicas + self.decode_replicas != self.replicas:
+            raise ValueError(
+                f"replicas {self.replicas} must be prefill_replicas + decode_replicas = "
+                f"{self.prefill_replicas + self.decode_replicas}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _fake_step_with_fake_model(self) -> ClusterSection:
@@ -156,6 +191,16 @@ class SweepSection(_Section):
     # Argument sets of the standard workload, each merged over workload.args: e.g. the
     # output-length spread, [{sigma = 0.0}, {sigma = 0.8}] on sigma-sweep.
     workload: list[dict[str, Any]] | None = Field(None, min_length=1)
+    autoscale: list[dict[str, Any]] | None = Field(
+        None,
+        min_length=1,
+        description='ways to size the cluster, each merged over cluster.autoscale: a policy {policy = "queue_slo", '
+        '...} from its min replicas, or static {static = "peak"}, "mean" or a count (checked by the plan)',
+    )
+    # One file compares colocated and disaggregated serving on the same traffic.
+    pools: list[Annotated[str, StringConstraints(pattern=r"^\d+:\d+$")]] | None = Field(
+        None, min_length=1, description='prefill:decode splits of cluster.replicas, "P:D" ("0:4": no pools)'
+    )
 
     @field_validator("batching")
     @classmethod
@@ -167,7 +212,7 @@ class SweepSection(_Section):
     def _known_routing(cls, names: list[str], info: ValidationInfo) -> list[str]:
         return _known(names, info, "routing")
 
-    @field_validator("load", "token_budget", "slots", "seeds")
+    @field_validator("load", "token_budget", "slots", "seeds", "pools")
     @classmethod
     def _no_repeats(cls, values: list | None) -> list | None:
         return values if values is None else _unique(values)
@@ -175,7 +220,7 @@ class SweepSection(_Section):
 
 class SLOSection(_Section):
     ttft: PositiveFloat = 2.0
-    tpot: PositiveFloat = 0.25
+    tpot: PositiveFloat = defaults.TPOT_SLO
     e2e: PositiveFloat | None = None
 
 

@@ -41,6 +41,12 @@ PACK_ROWS_HINT = 64
 # Row counts at which the int8 copy is timed against the dense product, in order, up to the first it loses.
 CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64)
 CROSSOVER_REPS = 5
+# Read between timed calls so each finds its weights out of the caches, as a step does (it streams
+# every layer's weights once): larger than this machine kind's L3 (32 MiB).
+EVICT_BYTES = 64 * 2**20
+# int8 must beat the dense product by this factor to be used at a row count: on a noisy machine a
+# tie goes to the dense product, which changes no output.
+CROSSOVER_MARGIN = 0.95
 CROSSOVER_FILE = "int8_crossover.json"
 
 
@@ -86,15 +92,19 @@ class Linear:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT) if self.packed else weight
         self.int8 = quantize_int8(weight) if int8_rows and can_int8(weight) else None
         self.int8_kernel = self.int8 is not None and int8_matmul.available(weight.device)
-        self.int8_rows = int8_rows if self.int8 is not None else 0
-        if self.int8 is not None and measure_int8:
-            self.int8_rows = min(int8_rows, int8_crossover(self, weight.shape, weight.dtype))
+        self.int8_rows = 0  # dense at every row count while the crossover is measured
+        if self.int8 is not None:
+            self.int8_rows = (
+                min(int8_rows, int8_crossover(self, weight.shape, weight.dtype)) if measure_int8 else int8_rows
+            )
             if not self.int8_rows:
                 self.int8 = None  # never pays here: no copy kept
 
-    def dense(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T + b (+ residual) without the int8 copy: on a packed weight oneDNN adds the
-        residual in the product's own pass, so the layer's residual adds cost no pass of their own."""
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T + b, plus `residual` where given (on a packed weight oneDNN adds it in the
+        product's own pass: the layer's residual adds cost no pass of their own)."""
+        if self.int8 is not None and x.shape[0] <= self.int8_rows:
+            return self.quantized(x, residual)
         if self.packed and residual is not None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
         if self.packed:
@@ -103,7 +113,7 @@ class Linear:
         return y if residual is None else y.add_(residual)
 
     def quantized(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The same product through the int8 copy."""
+        """The same product through the int8 copy, whatever the row count."""
         if self.int8_kernel:
             return int8_matmul.int8_linear(x, *self.int8, self.bias, residual)
         y = torch.ops.aten._weight_int8pack_mm(x, *self.int8)
@@ -111,18 +121,15 @@ class Linear:
             y += self.bias
         return y if residual is None else y.add_(residual)
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T + b, plus `residual` where given."""
-        if self.int8 is not None and x.shape[0] <= self.int8_rows:
-            return self.quantized(x, residual)
-        return self.dense(x, residual)
-
 
 def _median_seconds(fns: dict[str, Callable[[], torch.Tensor]], reps: int) -> dict[str, float]:
-    """Median seconds of each call, taken in turns so a neighbour's burst hits each alike."""
+    """Median seconds of each call, each after reading `EVICT_BYTES` (untimed), taken in turns so
+    a neighbour's burst hits each alike."""
+    evict = torch.ones(EVICT_BYTES // 4)
     times: dict[str, list[float]] = {name: [] for name in fns}
     for rep in range(reps + 1):  # the first round warms up
         for name, fn in fns.items():
+            evict.sum()
             t = time.perf_counter()
             fn()
             if rep:
@@ -141,9 +148,10 @@ _CROSSOVERS: dict[str, int] = {}
 
 def int8_crossover(linear: Linear, shape: torch.Size, dtype: torch.dtype) -> int:
     """The most rows of `CROSSOVER_ROWS` up to which `linear`'s int8 copy beat its dense product
-    at every count measured (0: not even at one row), timed on this machine with random rows.
-    Measured once per CPU kind, torch version, thread count, dtype, weight shape and paths; kept in
-    memory and in `cache_dir()`'s int8_crossover.json, so the next start reads it."""
+    (`linear(x)` while its int8_rows is still 0) by `CROSSOVER_MARGIN` at every count measured
+    (0: not even at one row), timed on this machine with random rows. Measured once per CPU kind, torch version,
+    thread count, dtype, weight shape and paths; kept in memory and in `cache_dir()`'s
+    int8_crossover.json, so the next start reads it."""
     key = _crossover_key(linear, shape, dtype)
     path = cache_dir() / CROSSOVER_FILE
     if key not in _CROSSOVERS:
@@ -157,8 +165,8 @@ def int8_crossover(linear: Linear, shape: torch.Size, dtype: torch.dtype) -> int
     for rows in CROSSOVER_ROWS:
         x = torch.randn(rows, shape[1]).to(dtype)
         with torch.inference_mode():
-            t = _median_seconds({"dense": lambda: linear.dense(x), "int8": lambda: linear.quantized(x)}, CROSSOVER_REPS)
-        if t["int8"] >= t["dense"]:
+            t = _median_seconds({"dense": lambda: linear(x), "int8": lambda: linear.quantized(x)}, CROSSOVER_REPS)
+        if t["int8"] > CROSSOVER_MARGIN * t["dense"]:
             break
         best = rows
     _CROSSOVERS[key] = best

@@ -11,6 +11,11 @@ the stream idle longest, and is refused with OverloadedError if every one has re
 flight), a stream with nothing in flight ends after `subscriber_idle_timeout`, and a client
 that stops reading (its outbox past MAX_OUTBOX step messages) has its requests aborted. A
 client whose stream ended simply opens a new one when it next submits.
+
+Roles (prefill/decode disaggregation, `ReplicaConfig.role`): a prefill replica ends each request
+once its first token is out and keeps its `Handover` until the decode replica the client moves
+it to takes it (`take_handover`, called by that replica's `submit`, which times the fetch and
+falls back to computing the K/V from the tokens carried when it fails).
 """
 
 from __future__ import annotations
@@ -296,6 +301,7 @@ class ReplicaActor:
                 out.finish_reason,
                 out.error,
                 handed_over=handed_over,
+                cached_tokens=out.num_cached_prompt_tokens,
             )
         )
         if out.finished:
