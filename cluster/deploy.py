@@ -17,6 +17,7 @@ move to other replicas. With `ClusterSpec.autoscale` a controller actor beside t
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -178,7 +179,7 @@ def ensure_ray(address: str | None, start_local: bool) -> None:
 def ray_autoscaler_limits() -> dict[str, float] | None:
     """What Ray's autoscaler may bring up in all (each node type's resources times its max
     count, as Ray tells its libraries), `{}` when an autoscaler runs whose limits Ray does not
-    tell, None when none runs (no autoscaling status in the cluster's store)."""
+    tell, None when none can add nodes (no autoscaling status, or one without node types)."""
     from ray._private import ray_constants
     from ray._private.state import state
     from ray.experimental.internal_kv import _internal_kv_get
@@ -186,7 +187,15 @@ def ray_autoscaler_limits() -> dict[str, float] | None:
     limits = state.get_max_resources_from_cluster_config()
     if limits:
         return {k: float(v) for k, v in limits.items()}
-    return {} if _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS) is not None else None
+    status = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
+    if status is None:
+        return None
+    # Every Ray head runs the autoscaler's monitor; without a cluster config it names each node's
+    # type after the node ("node_<id>"). Node types of other names come from a config: an
+    # autoscaler that can add nodes.
+    report = json.loads(status).get("autoscaler_report") or {}
+    types = set(report.get("active_nodes") or {}) | set(report.get("idle_nodes") or {})
+    return {} if any(not t.startswith("node_") for t in types) else None
 
 
 def check_resources(spec: ClusterSpec) -> None:
