@@ -15,6 +15,7 @@ import pytest
 import ray
 
 from cluster.client import Client
+from cluster.connection import ClusterError
 from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
 from cluster.driver import run_workload
 from metrics.store import MetricsStore
@@ -121,6 +122,9 @@ def test_disaggregated_outputs_equal_colocated_and_transfers_are_recorded(local_
 
     store_path = local_ray / "pd.db"
     deployment = start_cluster(pd_spec(store_path))
+    # A client routing by itself knows one pool: it is refused, naming the roles.
+    with pytest.raises(ClusterError, match=r'routing="local" .* \(replica-0: prefill, replica-1: decode\)'):
+        Client(routing="local")
     results = serve(ps, 12)
     assert [r.token_ids for r in results] == colocated
     for p, r in zip(ps, results):

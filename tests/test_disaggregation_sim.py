@@ -1,17 +1,13 @@
 """Prefill/decode disaggregation in the simulator (`sim.disaggregation`), the experiment
-files' pools (`[cluster] prefill_replicas`, `sweep.pools`), and, on Ray, a client routing
-locally refused by a cluster with pools."""
+files' pools (`[cluster] prefill_replicas`, `sweep.pools`). The local-routing client's refusal
+of a cluster with pools is checked on Ray in test_disaggregation_cluster."""
 
 from __future__ import annotations
 
 import textwrap
 
 import pytest
-import ray
 
-from cluster.client import Client
-from cluster.connection import ClusterError
-from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
 from experiments.plan import plan_experiment
 from experiments.run import run_experiment
 from metrics.store import MetricsStore
@@ -19,7 +15,6 @@ from protocol.handover import SAME_NODE, KvLink
 from replica import EngineConfig
 from replica.errors import ConfigError
 from replica.model.fake import DEFAULT_KV_BYTES_PER_TOKEN, FlatCostModel
-from replica.serving.loop import ReplicaConfig
 from sim.disaggregation import SimPools, simulate_pools, transfer_summary
 from sim.simulator import SimulationConfig, simulate
 from workloads.experiment import ExperimentError
@@ -150,25 +145,3 @@ def test_the_shipped_experiment_plans():
     plan = plan_experiment("workloads/experiments/disaggregation.toml", simulate=True)
     assert {c.pools for c in plan.cells} == {"0:4", "1:3", "2:2", "3:1"}
     assert {c.token_budget for c in plan.cells if c.pools == "0:4"} == {64, 128, 256}
-
-
-@pytest.fixture
-def pd_cluster(tmp_path):
-    ray.init(address="local", num_cpus=2, namespace="slotserve", include_dashboard=False, log_to_driver=False)
-    replica = ReplicaConfig(engine=EngineConfig(num_slots=2, max_seq_len=128), fake_step_seconds=0.005)
-    start_cluster(
-        ClusterSpec(
-            prefill_replicas=1, decode_replicas=1, pd_threshold=4, replica=replica, store_path=str(tmp_path / "s.db")
-        )
-    )
-    yield
-    stop_cluster()
-    ray.shutdown()
-
-
-def test_local_routing_refuses_a_cluster_with_pools_which_its_actor_routes(pd_cluster):
-    with pytest.raises(ClusterError, match=r'routing="local" .* \(replica-0: prefill, replica-1: decode\)'):
-        Client(routing="local")
-    with Client() as client:
-        result = client.generate(list(range(1, 9)), max_tokens=3, ignore_eos=True, timeout=120)
-    assert len(result.token_ids) == 3 and result.replica_id == "replica-1"  # handed over to the decode pool

@@ -159,8 +159,9 @@ def test_ray_adds_a_node_for_a_replica_and_removes_it_once_drained(fake_autoscal
 
     connect(fake_autoscaling_cluster)
     assert ray.cluster_resources().get("CPU", 0) == 0  # the head has none: every replica needs a node
+    # The monitor reports the head's node type a moment after the head is up.
+    wait_until(lambda: ray_autoscaler_limits() is not None, timeout=START_TIMEOUT, what="the autoscaler's node types")
     limits = ray_autoscaler_limits()
-    assert limits is not None, "the fake provider's autoscaler should be seen"
 
     print(f"Ray's autoscaler limits: {limits}")
     check_resources(_spec(tmp_path, replicas=MAX_NODES, autoscaled=False))  # what Ray can add is not refused
