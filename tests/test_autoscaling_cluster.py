@@ -49,8 +49,8 @@ def test_load_scales_up_and_quiet_drains_to_min_losing_no_token(ray_local):
 def test_a_replica_drained_under_load_hands_its_requests_on_exactly(ray_local, tmp_path, capsys):
     """Two replicas, each running two long streams, and a policy that wants one from the start:
     after its downscale delay (past the streams' start) the controller drains one while its
-    requests run; what does not finish
-    within the drain timeout resumes on the other replica with no token lost or repeated.
+    requests run; what does not finish within the drain timeout resumes on the other replica
+    with no token lost or repeated.
     `slotserve status` then shows the replica left serving and the decision that drained."""
     autoscale = AutoscaleConfig(
         policy="target_ongoing",

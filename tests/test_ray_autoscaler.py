@@ -21,7 +21,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -95,15 +94,20 @@ def _processes_under(marker: str) -> list[int]:
 
 
 def _end(pids: list[int]) -> None:
+    """SIGTERM, then SIGKILL whatever has not ended within 10 s."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + 10
-        while (pids := [p for p in pids if Path(f"/proc/{p}").exists()]) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        try:
+            wait_until(
+                lambda: not any(Path(f"/proc/{p}").exists() for p in pids), timeout=10, what="the processes to end"
+            )
+            return
+        except TimeoutError:
+            pass
 
 
 @pytest.fixture
