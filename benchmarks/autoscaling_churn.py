@@ -28,15 +28,13 @@ from pathlib import Path
 import ray
 
 from autoscaling.policies import AutoscaleConfig
+from benchmarks.reliability import token_errors
 from cluster.autoscaler import autoscaler_status
 from cluster.client import Client, Result
 from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
 from protocol.scaling import AutoscalerStatus
 from replica import EngineConfig
-from replica.model.fake import ScriptedFakeRunner
 from replica.serving.loop import ReplicaConfig
-
-FAKE = ScriptedFakeRunner(None)  # what an undisturbed run of the fake model makes: FAKE.continuation
 
 
 @dataclass(frozen=True)
@@ -93,13 +91,13 @@ def autoscale_config(max_replicas: int, slots: int) -> AutoscaleConfig:
 
 
 def _check(stats: ChurnStats, prompt: list[int], n: int, result: Result) -> None:
-    want, got = FAKE.continuation(prompt, n), result.token_ids
     stats.completed += result.finish_reason == "length"
     if result.error:
         stats.errors.append(result.error)
-    stats.duplicated_tokens += max(0, len(got) - len(want))
-    stats.lost_tokens += max(0, len(want) - len(got))
-    stats.wrong_outputs += got[: len(want)] != want[: len(got)]
+    duplicated, lost, wrong = token_errors(prompt, n, result)
+    stats.duplicated_tokens += duplicated
+    stats.lost_tokens += lost
+    stats.wrong_outputs += wrong
     stats.moved_requests += bool(result.migrations)
 
 

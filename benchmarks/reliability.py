@@ -72,16 +72,22 @@ class ChaosStats:
     errors: list[str] = field(default_factory=list)
 
 
+def token_errors(prompt: list[int], n: int, result: Result) -> tuple[int, int, bool]:
+    """A result against the fake model's undisturbed continuation of `prompt`: tokens beyond it
+    (duplicated), tokens short of it (missing), and whether the tokens both have differ."""
+    want, got = FAKE.continuation(prompt, n), result.token_ids
+    return max(0, len(got) - len(want)), max(0, len(want) - len(got)), got[: len(want)] != want[: len(got)]
+
+
 def _check(stats: ChaosStats, prompt: list[int], n: int, result: Result) -> None:
-    want = FAKE.continuation(prompt, n)
-    got = result.token_ids
     stats.completed += result.finish_reason == "length"
     stats.failed += result.finish_reason != "length"
     if result.error:
         stats.errors.append(result.error)
-    stats.duplicate_tokens += max(0, len(got) - len(want))
-    stats.missing_tokens += max(0, len(want) - len(got))
-    stats.wrong_outputs += got[: len(want)] != want[: len(got)]
+    duplicate, missing, wrong = token_errors(prompt, n, result)
+    stats.duplicate_tokens += duplicate
+    stats.missing_tokens += missing
+    stats.wrong_outputs += wrong
     gaps = [b - a for a, b in zip(result.token_times, result.token_times[1:])]
     (stats.stall_moved if result.migrations else stats.stall_unmoved).append(max(gaps, default=0.0))
     stats.migrations += len(result.migrations)
