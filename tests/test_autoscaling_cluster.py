@@ -12,7 +12,8 @@ import pytest
 import ray
 
 from autoscaling.policies import AutoscaleConfig
-from benchmarks.autoscaling_churn import FAKE, churn_run
+from benchmarks.autoscaling_churn import churn_run
+from benchmarks.reliability import FAKE
 from cluster.autoscaler import autoscaler_status
 from cluster.client import Client
 from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
