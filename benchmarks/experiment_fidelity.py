@@ -5,19 +5,25 @@ cluster (`slotserve experiment FILE --store CLUSTER.db`) set against its simulat
 A cell is a (routing, load) pair (and its batching, slots and token budget when the file sweeps
 them); its figure is the median over its seeds' complete runs, read with the SLO each run was
 recorded with. Cells run on only one side (Ray Serve's routers have no simulated twin) are listed
-and left out of the comparison. Prints per cell simulated against cluster TTFT p90 and goodput,
+and left out of the comparison. Prints per cell simulated against cluster TTFT p90 and p50 and goodput,
 then the Spearman rank correlation of each metric across the cells both sides ran (average
 ranks for ties; target for TTFT p90: at least 0.9), and the median relative error for
 information.
 
-    .venv/bin/python benchmarks/experiment_fidelity.py --cluster results/kv-pressure-cluster.db \\
-        --sim results/kv-pressure-sim.db [--experiment kv-pressure] [--json PATH]
+With `--file` (the experiment file, whose cost model its fake replicas paid) it also prints
+what the cluster spent outside its steps, the figures the file's `[cluster] step_overhead` and
+`dispatch_delay` give the simulator (`overheads`).
+
+    .venv/bin/python -m benchmarks.experiment_fidelity --cluster results/kv-pressure-cluster.db \\
+        --sim results/kv-pressure-sim.db [--experiment kv-pressure] [--file FILE.toml] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -25,9 +31,14 @@ from benchmarks.fidelity import spearman
 from metrics.definitions import SLO
 from metrics.goodput_report import analyze
 from metrics.store import MetricsStore
+from sim.cost_model import MAX_LOOP_GAP, step_overhead
 
 KEY = ("routing", "load", "batching", "slots", "token_budget", "workload")  # a cell without its seed
-METRICS = {"ttft_p90": lambda a: a["cluster"]["ttft"]["p90"], "goodput": lambda a: a["cluster"]["goodput"]}
+METRICS = {
+    "ttft_p90": lambda a: a["cluster"]["ttft"]["p90"],
+    "ttft_p50": lambda a: a["cluster"]["ttft"]["p50"],
+    "goodput": lambda a: a["cluster"]["goodput"],
+}
 TARGET = 0.9  # Spearman of TTFT p90 across the cells
 
 
@@ -49,13 +60,66 @@ def cells(path: Path, experiment: str) -> dict[tuple, dict[str, float]]:
     }
 
 
+def overheads(path: Path, experiment: str, file: Path) -> dict[str, float | None]:
+    """What the cluster's runs of `experiment` spent outside their steps, as the simulator's
+    `[cluster]` keys take it: `step_overhead` (the serving loop's seconds per step beyond the
+    price `file`'s cost model puts on it; over slotserve's replicas, and apart over Ray Serve's)
+    and `dispatch_delay` (slotserve's: the median, over requests that found their replica idle,
+    from arrival to the start of the step that made their first token, plus the median from any
+    such step's end to the client's receipt of that token)."""
+    from cluster.serve_baseline import SERVE_ROUTERS
+    from experiments.plan import plan_experiment
+
+    cost = plan_experiment(file, simulate=True).cost
+    store = MetricsStore(path)
+    steps: dict[str, list[dict]] = {"slotserve": [], "serve": []}
+    to_replica, back = [], []
+    try:
+        for run in store.runs():
+            if (run["config"] or {}).get("experiment") != experiment or not run["complete"]:
+                continue
+            rows = store.steps(run["run_id"])
+            steps["serve" if run["routing_policy"] in SERVE_ROUTERS else "slotserve"] += rows
+            if run["routing_policy"] not in SERVE_ROUTERS:
+                _request_path(store.traces(run["run_id"]), rows, to_replica, back)
+    finally:
+        store.close()
+    found = {f"step_overhead ({side})": step_overhead(rows, cost) for side, rows in steps.items()}
+    found["dispatch_delay"] = statistics.median(to_replica) + statistics.median(back) if to_replica else None
+    return found
+
+
+def _request_path(traces: list, steps: list[dict], to_replica: list[float], back: list[float]) -> None:
+    """Add each request's way to an idle replica and its first token's way back (see `overheads`)."""
+    by_replica: dict[str, list[tuple[float, float]]] = {}
+    for row in steps:
+        by_replica.setdefault(row["replica_id"], []).append((row["start"] + row["duration"], row["start"]))
+    for rows in by_replica.values():
+        rows.sort()
+    for trace in traces:
+        rows = by_replica.get(trace.replica)
+        if not trace.token_times or not rows:
+            continue
+        i = bisect.bisect_right(rows, (trace.token_times[0], math.inf)) - 1
+        if i < 1:
+            continue
+        (end, start), (before, _) = rows[i], rows[i - 1]
+        back.append(trace.token_times[0] - end)
+        if before < trace.arrival and start - before > MAX_LOOP_GAP:  # the replica was idle when it came
+            to_replica.append(start - trace.arrival)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cluster", type=Path, required=True, help="store with the experiment's Ray-cluster runs")
     parser.add_argument("--sim", type=Path, required=True, help="store with its simulated runs")
     parser.add_argument("--experiment", default="kv-pressure", help="the experiment's name (its file's `name`)")
     parser.add_argument("--json", type=Path, help="also write the cells and correlations here")
+    parser.add_argument("--file", type=Path, help="the experiment file: also measure the cluster's loop overhead")
     args = parser.parse_args()
+    if args.file is not None:
+        for key, seconds in overheads(args.cluster, args.experiment, args.file).items():
+            print(f"cluster's {key}: " + ("not measured" if seconds is None else f"{seconds:.5f} s"))
     real, sim = cells(args.cluster, args.experiment), cells(args.sim, args.experiment)
     both = sorted(set(real) & set(sim), key=lambda k: (k[1] or 0, str(k[0])))
     for side, only in (("cluster", set(real) - set(sim)), ("simulated", set(sim) - set(real))):
@@ -63,12 +127,12 @@ def main() -> None:
             print(f"only {side} (left out): " + ", ".join(f"{k[0]} load={k[1]}" for k in sorted(only, key=str)))
     if not both:
         raise SystemExit(f"no cell of {args.experiment!r} is in both stores")
-    print(f"{'routing':<20}{'load':>6}{'TTFT p90 sim':>14}{'cluster':>9}{'goodput sim':>13}{'cluster':>9}")
+    print(f"{'routing':<20}{'load':>6}{'TTFT p90 sim':>14}{'cluster':>9}{'p50 sim':>9}{'cluster':>9}", end="")
+    print(f"{'goodput sim':>13}{'cluster':>9}")
     for k in both:
         s, r = sim[k], real[k]
-        print(
-            f"{k[0]:<20}{k[1]!s:>6}{s['ttft_p90']:>14.3f}{r['ttft_p90']:>9.3f}{s['goodput']:>13.1f}{r['goodput']:>9.1f}"
-        )
+        print(f"{k[0]:<20}{k[1]!s:>6}{s['ttft_p90']:>14.3f}{r['ttft_p90']:>9.3f}", end="")
+        print(f"{s['ttft_p50']:>9.3f}{r['ttft_p50']:>9.3f}{s['goodput']:>13.1f}{r['goodput']:>9.1f}")
     summary = {}
     for m in METRICS:
         xs, ys = [sim[k][m] for k in both], [real[k][m] for k in both]

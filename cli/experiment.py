@@ -40,6 +40,11 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"{args.file}: {plan.skipped} cells routed by Ray Serve's routers left out: they run on a Ray cluster"
             )
+        if plan.serve_unscalable:
+            print(
+                f"{args.file}: {plan.serve_unscalable} cells routed by Ray Serve's routers left out: "
+                "Serve's autoscaler has one rule, target_ongoing"
+            )
     except ExperimentError as err:
         raise ConfigError(str(err)) from None
     experiment = plan.experiment
@@ -118,7 +123,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Run every cell of an experiment file (TOML or YAML: a workload, the cluster, the axes to\n"
         "sweep, the SLO, the plots) on a Ray cluster started for it, or with --simulate in the\n"
         "simulator, recording one run per cell in the store. Prints a table (median over seeds with\n"
-        "the spread) and writes report.md and PNG plots to <folder of FILE>/<name>/. The whole file\n"
+        "the spread) and writes report.md and its plots to <folder of FILE>/<name>/. The whole file\n"
         "is checked before anything runs; an error names the file and line.",
     )
     p.add_argument("file", type=Path, metavar="FILE", help="experiment file (.toml, .yaml or .yml)")

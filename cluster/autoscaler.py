@@ -26,6 +26,13 @@ reason, and each cold start go to the store's `scaling` and `cold_starts` tables
 is recorded (as the router's routing decisions do), and to the live metrics
 (`cluster.prometheus_exporters.AutoscalerExporter`). The controller restarts without limit:
 a restarted one takes the router's replicas as serving (those it was draining, as draining).
+The router restarts too, knowing then only the replicas the cluster started with (those still
+alive): every period the controller gives the router back each replica of its own the router
+has lost (down until its health check passes, as when it was first added), tells it again of
+each it is draining, and has it forget those this controller no longer holds.
+
+A warm-up request goes to a replica that knows no run yet, so it is first told that no more
+requests come: a static batch does not wait to be full for it.
 
 `launch` and `drain` are given by `cluster.deploy` (which starts this actor), so this module
 does not import it."""
@@ -46,7 +53,14 @@ from cluster.connection import NAMESPACE, ClusterError
 from cluster.prometheus_exporters import AutoscalerExporter
 from metrics.live import PROBE_REQUEST_PREFIX
 from protocol.clock import WallClock
-from protocol.scaling import AutoscalerStatus, ColdStart, ReplicaState, ScalingDecision, ScalingObservation
+from protocol.scaling import (
+    AutoscalerStatus,
+    ColdStart,
+    ReplicaState,
+    ScalingDecision,
+    ScalingObservation,
+    ScalingView,
+)
 from replica.scheduling.request import SamplingParams
 from workloads.capacity import Capacity
 
@@ -71,6 +85,7 @@ class _Replica:
     handle: ActorHandle
     state: str
     since: float  # wall clock: when it entered its state
+    registered: bool  # given to the router (which must be told again if it restarts)
 
 
 @ray.remote(num_cpus=0)
@@ -111,7 +126,7 @@ class AutoscalerActor:
         now = time.time()
         for replica_id, handle in handles.items():
             draining = down.get(replica_id) == "draining"
-            self._replicas[replica_id] = _Replica(replica_id, handle, DRAINING if draining else SERVING, now)
+            self._replicas[replica_id] = _Replica(replica_id, handle, DRAINING if draining else SERVING, now, True)
             if draining:  # this controller restarted mid-drain: finish it
                 self._spawn(self._drain_one, self._replicas[replica_id])
         self._next_index = 1 + max((replica_index(r) for r in handles), default=-1)
@@ -150,6 +165,7 @@ class AutoscalerActor:
 
     def _decide(self) -> None:
         view = ray.get(self._router.scaling_view.remote(), timeout=30)
+        self._reconcile(view)
         with self._lock:
             serving = [r for r in self._replicas.values() if r.state == SERVING]
             starting = sum(r.state == STARTING for r in self._replicas.values())
@@ -182,6 +198,21 @@ class AutoscalerActor:
         self._telemetry.set_replicas(by_state)
         self._send(view.run_id)
 
+    def _reconcile(self, view: ScalingView) -> None:
+        """Make the router's replicas this controller's (see the module docstring): what it
+        routes to is in `view.in_flight`, one entry for each replica it holds."""
+        known = view.in_flight.keys()
+        with self._lock:
+            mine = {r.replica_id: (r.state, r.registered) for r in self._replicas.values()}
+        for replica_id, (state, registered) in mine.items():
+            if state == DRAINING and replica_id in known and view.down.get(replica_id) != "draining":
+                ray.get(self._router.start_drain.remote(replica_id), timeout=60)
+            elif state != DRAINING and registered and replica_id not in known:
+                name = f"{self._prefix}{replica_index(replica_id)}"
+                ray.get(self._router.add_replica.remote(replica_id, name), timeout=60)
+        for replica_id in known - mine.keys():
+            ray.get(self._router.remove_replica.remote(replica_id), timeout=60)
+
     def _send(self, run_id: int | None) -> None:
         """Inside a run, what was decided and measured since the last write goes to the store;
         outside one it is dropped (as the router's routing decisions are)."""
@@ -197,7 +228,7 @@ class AutoscalerActor:
     # ---- acting -------------------------------------------------------------------------
     def _start_one(self) -> None:
         index, self._next_index = self._next_index, self._next_index + 1
-        replica = _Replica(f"replica-{index}", self._launch(index), STARTING, time.time())
+        replica = _Replica(f"replica-{index}", self._launch(index), STARTING, time.time(), False)
         with self._lock:
             self._replicas[replica.replica_id] = replica
         self._spawn(self._bring_up, replica, index)
@@ -213,6 +244,8 @@ class AutoscalerActor:
             _warm_up(handle, replica_id, max(1.0, deadline - loaded))
             first_step = time.time()
             ray.get(self._router.add_replica.remote(replica_id, f"{self._prefix}{index}"), timeout=60)
+            with self._lock:
+                replica.registered = True
             while not ray.get(self._router.is_up.remote(replica_id), timeout=60):
                 if time.time() > deadline:
                     raise ClusterError(f"no passed health check within {self.start_timeout:g} s")
@@ -258,6 +291,7 @@ def _warm_up(handle: ActorHandle, replica_id: str, timeout: float) -> None:
     """One one-token request straight to the replica, before it knows the router: its first
     step (kernels built, caches allocated) is paid here, not by a user's request. Its id marks
     it a probe's, so live metrics count it apart from any run."""
+    handle.set_arrivals_done.remote(True)  # before the submission: one caller's calls arrive in order
     stream = handle.events.remote(WARMUP_SUBSCRIBER)
     request_id = f"{PROBE_REQUEST_PREFIX}warmup-{replica_id}"
     ray.get(handle.submit.remote(WARMUP_SUBSCRIBER, [1], SamplingParams(max_tokens=1), request_id), timeout=timeout)

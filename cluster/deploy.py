@@ -12,8 +12,9 @@ restart without limit, the router watches replica health every `health_period`. 
 that asks for more CPUs or GPUs than Ray has is refused at once instead of waiting on a
 pending actor; one whose router died is recovered by `up` (live replicas and store kept). A
 replica leaves by draining: no new requests, running ones finish within a timeout, the rest
-move to other replicas. With `ClusterSpec.autoscale` a controller actor beside the router
-(`cluster.autoscaler`) starts and drains replicas the same ways as the traffic changes."""
+move to other replicas (the decoding ones with their K/V, which it keeps until taken). With
+`ClusterSpec.autoscale` a controller actor beside the router (`cluster.autoscaler`) starts and
+drains replicas the same ways as the traffic changes."""
 
 from __future__ import annotations
 
@@ -350,26 +351,34 @@ def find_cluster() -> Deployment:
     return Deployment(router, replicas, ray.get_actor(STORE_ACTOR_NAME, namespace=NAMESPACE))
 
 
-def drain_replica(deployment: Deployment, replica_id: str, timeout: float = 30.0) -> dict[str, int]:
+def drain_replica(
+    deployment: Deployment, replica_id: str, timeout: float = 30.0, move_kv: bool = True
+) -> dict[str, int]:
     """Remove one replica gracefully (`drain_replicas`). Returns how many of its requests
-    finished and how many moved."""
-    counts = drain_replicas(deployment.router, {replica_id: deployment.replicas[replica_id]}, timeout)
+    finished, how many moved, and how many of those with their K/V."""
+    counts = drain_replicas(deployment.router, {replica_id: deployment.replicas[replica_id]}, timeout, move_kv)
     if replica_id not in counts:
         raise ClusterError(f"{replica_id} did not answer its drain within {timeout + 60:g} s; it was stopped")
     return counts[replica_id]
 
 
-def drain_replicas(router, replicas: dict[str, object], timeout: float) -> dict[str, dict[str, int]]:
+def drain_replicas(
+    router, replicas: dict[str, object], timeout: float, move_kv: bool = True
+) -> dict[str, dict[str, int]]:
     """Remove replicas gracefully, all at once: the router (if there is one to tell) sends them
     nothing more, their running requests finish within `timeout` seconds, the rest go back to
-    their clients to continue on other replicas; then they stop. Returns each replica's counts
-    of finished and moved requests (a dead replica, with nothing to drain, is left out)."""
+    their clients to continue on other replicas; then they stop. With `move_kv` a decoding
+    request moves with its K/V, fetched by the replica it moves to instead of computing its
+    prompt and output again, and its replica stops only once they are taken or expired
+    (`ReplicaConfig.handover_ttl`); else every moved request computes them again. Returns each
+    replica's counts of finished, moved and K/V-moved requests (a dead replica, with nothing to
+    drain, is left out)."""
     if router is not None:
         try:
             ray.get([router.start_drain.remote(replica_id) for replica_id in replicas], timeout=60)
         except (ray.exceptions.RayError, ValueError):
             pass  # no router to tell (or not one that knows these replicas)
-    refs = {replica_id: handle.drain.remote(timeout) for replica_id, handle in replicas.items()}
+    refs = {replica_id: handle.drain.remote(timeout, move_kv) for replica_id, handle in replicas.items()}
     ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout + 60)
     counts = {}
     for replica_id, ref in refs.items():
@@ -388,7 +397,7 @@ def stop_cluster(drain_timeout: float = 0.0) -> list[str]:
     """Stop every slotserve actor; returns the names it found. With `drain_timeout` > 0 the
     replicas are drained first (`drain_replicas`): new requests are refused at once (no replica
     up), and the requests they hold get that long to finish (with no replica left to move to,
-    what is still running then ends with an error)."""
+    what is still running then ends with an error, and no K/V are kept for a replica to take)."""
     actors = _leftovers()
     if AUTOSCALER_ACTOR_NAME in actors:  # first, so it starts and drains nothing more meanwhile
         ray.kill(actors.pop(AUTOSCALER_ACTOR_NAME))
@@ -398,7 +407,7 @@ def stop_cluster(drain_timeout: float = 0.0) -> list[str]:
         if name.startswith(REPLICA_PREFIX)
     }
     if drain_timeout > 0 and replicas:
-        drain_replicas(actors.get(ROUTER_ACTOR_NAME), replicas, drain_timeout)
+        drain_replicas(actors.get(ROUTER_ACTOR_NAME), replicas, drain_timeout, move_kv=False)
     for handle in actors.values():  # a drained replica is stopped already: killing it again does nothing
         ray.kill(handle)
     return list(actors)

@@ -5,11 +5,16 @@ late each was against its planned time, so a slow driver cannot pass for a slow 
 each finished request is written with its client-side timestamps in batches. The run's config
 carries the workload's spec, so the run can be replayed exactly. The run is marked complete
 only when every request has ended and the replicas and router have flushed: a run cut short
-(Ctrl-C, a killed driver) keeps what was recorded and reads as incomplete."""
+(Ctrl-C, a killed driver) keeps what was recorded and reads as incomplete.
+
+The replicas are the router's at each moment, not the deployment's at the start: an autoscaled
+cluster adds and drains them during the run. Whether more requests may come goes to the router,
+which passes it to every replica it holds and to each it adds later."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import ray
@@ -26,7 +31,7 @@ REQUEST_BATCH = 32  # request rows per store write
 
 
 async def _replay(
-    client: Client, workload: Workload, run_id: int, store, replicas: list, vocab_size: int, seed: int, progress: bool
+    client: Client, workload: Workload, run_id: int, store, router, vocab_size: int, seed: int, progress: bool
 ) -> None:
     rows: list[dict] = []
     moves: list = []  # MigrationRecords of finished requests
@@ -57,11 +62,11 @@ async def _replay(
         if len(rows) >= REQUEST_BATCH:
             await flush()
 
-    async def tell_replicas(arrivals_done: bool) -> None:
-        await asyncio.gather(*[r.set_arrivals_done.remote(arrivals_done) for r in replicas])
+    async def tell_router(arrivals_done: bool) -> None:
+        await router.set_arrivals_done.remote(arrivals_done)
 
     try:
-        await send_on_schedule(workload, send, tell_replicas)
+        await send_on_schedule(workload, send, tell_router)
     finally:
         await flush()  # keep what finished, even when cut short
         bar.close()
@@ -85,11 +90,18 @@ def run_workload(
     store = deployment.store
     config = {**config, "workload_spec": workload.spec}
     run_id = ray.get(store.begin_run.remote(name, config, batching_policy, routing_policy, seed, slo))
-    actors = [deployment.router, *deployment.replicas.values()]
-    ray.get([a.set_run.remote(run_id) for a in actors])
+    router = deployment.router
+
+    def replicas() -> list:
+        return list(ray.get(router.replicas.remote()).values())
+
+    ray.get([a.set_run.remote(run_id) for a in [router, *replicas()]])
     vocab = ray.get(next(iter(deployment.replicas.values())).info.remote()).vocab_size
     with Client(routing=client_routing) as client:
-        asyncio.run(_replay(client, workload, run_id, store, list(deployment.replicas.values()), vocab, seed, progress))
-    ray.get([a.flush.remote() for a in actors])
+        asyncio.run(_replay(client, workload, run_id, store, router, vocab, seed, progress))
+    ray.get(router.flush.remote())
+    for flushed in [r.flush.remote() for r in replicas()]:
+        with contextlib.suppress(ray.exceptions.RayActorError):  # drained and stopped meanwhile
+            ray.get(flushed)
     ray.get(store.end_run.remote(run_id, "complete"))
     return run_id

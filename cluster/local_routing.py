@@ -4,11 +4,13 @@ client's process, as Ray Serve's handle routes, so placing a request costs no Ra
 It sees what the router actor sees, fetched in one batch: a background thread calls the actor's
 `sync` every `period` seconds (the replicas' own report interval), which hands over the
 decisions made here since the last call (recorded by the actor as its own, so the store and
-the audit read the same) and returns every replica's last load report and which replicas are
-down. Its in-flight counts and reservations are this client's own requests: it is told of
-each end by the client (with the output length, so length estimates learn), not by the
-replicas, whose completions go to the actor as before. Several clients routing locally each
-know only their own requests between reports; the actor's view counts every client's.
+the audit read the same) and returns every replica's last load report, which replicas are
+down, and which it holds: a replica an autoscaler added is taken on (down until the actor has
+it up), one it drained away is forgotten. Its in-flight counts and reservations are this
+client's own requests: it is told of each end by the client (with the output length, so
+length estimates learn), not by the replicas, whose completions go to the actor as before.
+Several clients routing locally each know only their own requests between reports; the
+actor's view counts every client's.
 
 A cluster with prefill and decode pools is refused: its router (`router.pd_router.PdRouter`)
 places a request on two pools and moves each hand-over, which a one-pool `Router` here would
@@ -66,6 +68,12 @@ class LocalRouter:
     def policy(self) -> str:
         return self._router.policy.name
 
+    @property
+    def replica_ids(self) -> list[str]:
+        """The replicas routed among here (the actor's, as of the last sync)."""
+        with self._lock:
+            return list(self._router.replica_ids)
+
     def route_many(self, requests: list[RouteRequest]) -> list[str | SlotServeError]:
         """As `RouterActor.route_many`: one answer per request, a replica id or the typed
         error that refused it."""
@@ -89,14 +97,17 @@ class LocalRouter:
                 self._router.mark_down(replica_id, f"lost: {reason}"[:200])
 
     def sync(self, timeout: float = 10.0) -> None:
-        """Send the decisions made here, take the actor's reports and down marks."""
+        """Send the decisions made here, take the actor's replicas, reports and down marks."""
         with self._lock:
             decisions = self._router.drain_decisions()
         view = ray.get(self._actor.sync.remote(decisions), timeout=timeout)
         down = view.down
         with self._lock:
-            for replica_id in view.reports.keys() - set(self._router.replica_ids):
+            held = set(view.replica_ids)
+            for replica_id in [r for r in view.replica_ids if r not in self._router.replica_ids]:
                 self._router.add_replica(replica_id)
+            for replica_id in [r for r in self._router.replica_ids if r not in held]:
+                self._router.remove_replica(replica_id)  # its requests here were moved off it by the drain
             for report in view.reports.values():
                 self._router.report(report)
             for replica_id in self._router.replica_ids:

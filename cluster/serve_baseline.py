@@ -23,23 +23,37 @@ so a replica's step records ride on its token stream: each streamed item carries
 since the replica's last item, and a request's last item comes after its last step. For the
 same reason whether more requests may come (which a static batch waits on) goes through a small
 actor, `ArrivalsFlag`, on which every replica keeps one call waiting for the next change.
+
+Autoscaled by Serve's own autoscaler (`ServeBaseline(autoscale=...)`, an experiment cell routed
+by a Serve router and sized by the `target_ongoing` policy, which is Serve's rule): the policy's
+parameters become the deployment's `autoscaling_config` (`serve_autoscaling_config`) and the
+drain timeout its graceful shutdown. Its replica-seconds are counted as slotserve's are
+(`experiments.scaling_report.replica_timeline`): every decision period the run samples how many
+replicas Serve's controller has starting, running and stopping, and each change goes to the
+store's `scaling` table as a `ScalingDecision` of policy `ray_serve` (`current` and `desired`:
+the replicas starting or running before and after it), so a replica counts from when Serve
+starts it to when it has stopped, to within one period, as slotserve's do from their decisions.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+import warnings
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import ray
 from ray.actor import ActorHandle
 
+from autoscaling.policies import AutoscaleConfig, TargetOngoingParams
 from cluster.pacing import send_on_schedule
 from metrics.definitions import RequestTrace
 from metrics.recording import request_row
 from protocol.finish import FinishReason
 from protocol.records import StepRecord
+from protocol.scaling import ScalingDecision
 from replica.serving.loop import AsyncEngine, ReplicaConfig, build_engine
 from workloads.workload import Workload, WorkloadRequest, request_prompt
 
@@ -50,6 +64,32 @@ SERVE_ROUTERS = {
     "serve_prefix_cache": _PREFIX_ROUTER,
 }
 _TOKEN_CHAR_BASE = 0x100  # token id t travels as chr(0x100 + t): printable, below the surrogates
+SERVE_AUTOSCALER = "ray_serve"  # the policy named on the scaling rows a Serve-autoscaled run records
+SERVE_POLICY = "target_ongoing"  # the autoscaling policy whose rule Serve's autoscaler is
+# Serve's replica states, as slotserve's replicas' (starting, serving, draining) are counted
+_STARTING = ("STARTING", "UPDATING", "RECOVERING")
+_SERVING = ("RUNNING", "PENDING_MIGRATION")
+_DRAINING = ("STOPPING",)
+
+
+def serve_autoscaling_config(config: AutoscaleConfig) -> dict:
+    """Serve's `autoscaling_config` for a `target_ongoing` policy: the same bounds, target,
+    delays and look-back, its replicas reporting their ongoing requests every decision period
+    (Serve's `metrics_interval_s`, deprecated in favour of environment variables read at import,
+    which a running driver cannot set for itself). Serve has no cooldown: `cooldown_s` is unused."""
+    if config.policy != SERVE_POLICY:
+        raise ValueError(f"Ray Serve's autoscaler is the {SERVE_POLICY!r} rule, not {config.policy!r}")
+    p = TargetOngoingParams(**config.params)
+    return {
+        "min_replicas": config.min_replicas,
+        "initial_replicas": config.min_replicas,
+        "max_replicas": config.max_replicas,
+        "target_ongoing_requests": p.target_ongoing_requests,
+        "upscale_delay_s": p.upscale_delay_s,
+        "downscale_delay_s": p.downscale_delay_s,
+        "look_back_period_s": p.look_back_s,
+        "metrics_interval_s": config.period_s,
+    }
 
 
 @dataclass(frozen=True)
@@ -140,7 +180,9 @@ class ServeBaseline:
     """The replica engine deployed on Ray Serve (no HTTP proxy) with `num_replicas` replicas
     routed by `router` (a key of SERVE_ROUTERS, with `router_kwargs` for its
     `initialize_state`, e.g. the prefix router's `imbalanced_threshold`), recording into
-    `store` (a `cluster.store_actor.StoreActor`). Started on creation; `shutdown()` stops it."""
+    `store` (a `cluster.store_actor.StoreActor`); with `autoscale` (a `target_ongoing` policy)
+    Serve's autoscaler sizes it instead, from `autoscale.min_replicas`. Started on creation;
+    `shutdown()` stops it."""
 
     def __init__(
         self,
@@ -151,22 +193,30 @@ class ServeBaseline:
         num_cpus: float = 1.0,
         num_gpus: float = 0.0,
         router_kwargs: dict | None = None,
+        autoscale: AutoscaleConfig | None = None,
     ):
         from ray import serve
-        from ray.serve.config import RequestRouterConfig
+        from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
         self.config, self.router, self.store, self.router_kwargs = config, router, store, router_kwargs or {}
+        self.autoscale = autoscale
         self.arrivals = ArrivalsFlag.remote()
         options = {}
         if SERVE_ROUTERS[router] is not None:
             options["request_router_config"] = RequestRouterConfig(
                 request_router_class=SERVE_ROUTERS[router], request_router_kwargs=self.router_kwargs
             )
+        if autoscale is None:
+            options["num_replicas"] = num_replicas
+        else:
+            with warnings.catch_warnings():  # metrics_interval_s's deprecation (see serve_autoscaling_config)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                options["autoscaling_config"] = AutoscalingConfig(**serve_autoscaling_config(autoscale))
+            options["graceful_shutdown_timeout_s"] = autoscale.drain_timeout_s
         app = (
             serve.deployment(EngineDeployment)
             .options(
                 name="engine",
-                num_replicas=num_replicas,
                 max_ongoing_requests=config.max_queue,
                 ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
                 **options,
@@ -195,7 +245,10 @@ class ServeBaseline:
         run_id = ray.get(self.store.begin_run.remote(name, config, batching_policy, self.router, seed, slo))
         ray.get(self.arrivals.set.remote(False))
         start = time.time()
-        traces, steps = asyncio.run(_replay(self.handle, self.arrivals, workload, seed, vocab_size))
+        period = None if self.autoscale is None else self.autoscale.period_s
+        traces, steps, scaling = asyncio.run(_replay(self.handle, self.arrivals, workload, seed, vocab_size, period))
+        if scaling:
+            ray.get(self.store.add_scaling_records.remote(run_id, scaling, []))
         slots = self.config.engine.num_slots
         writes = [
             self.store.add_step_records.remote(run_id, replica, slots, [r for r in records if r.start >= start])
@@ -213,11 +266,40 @@ class ServeBaseline:
         ray.kill(self.arrivals)
 
 
+def _replica_counts() -> dict[str, int]:
+    """How many replicas of the engine deployment Serve's controller has starting, serving and
+    stopping (as slotserve's `starting`, `serving`, `draining`)."""
+    from ray import serve
+
+    states = serve.status().applications[APP_NAME].deployments["engine"].replica_states
+    by_name = {str(getattr(state, "value", state)): n for state, n in states.items()}
+    kinds = {"serving": _SERVING, "starting": _STARTING, "draining": _DRAINING}
+    return {kind: sum(by_name.get(name, 0) for name in names) for kind, names in kinds.items()}
+
+
+async def _sample_replicas(period: float, changes: list[ScalingDecision]) -> None:
+    """Every `period` seconds until cancelled: Serve's replica counts, appended to `changes` as a
+    `ScalingDecision` whenever they differ from the last sample (see the module docstring)."""
+    last: dict[str, int] | None = None
+    while True:
+        counts = await asyncio.to_thread(_replica_counts)
+        if counts != last:
+            before = counts if last is None else last
+            reason = f"Ray Serve's controller: {counts['serving']} running, {counts['starting']} starting, "
+            reason += f"{counts['draining']} stopping"
+            inputs = {k: float(v) for k, v in counts.items()}
+            current, desired = (c["serving"] + c["starting"] for c in (before, counts))
+            changes.append(ScalingDecision(time.time(), SERVE_AUTOSCALER, current, desired, reason, inputs))
+            last = counts
+        await asyncio.sleep(period)
+
+
 async def _replay(
-    handle, arrivals: ActorHandle, workload: Workload, seed: int, vocab_size: int
-) -> tuple[list[RequestTrace], dict[str, list[StepRecord]]]:
+    handle, arrivals: ActorHandle, workload: Workload, seed: int, vocab_size: int, sample_every: float | None = None
+) -> tuple[list[RequestTrace], dict[str, list[StepRecord]], list[ScalingDecision]]:
     """Each request sent on the workload's schedule (`cluster.pacing`), tokens stamped on arrival
-    here; returns the traces and each replica's step records that came with them."""
+    here; returns the traces, each replica's step records that came with them and, sampling
+    Serve's replicas every `sample_every` seconds (None: not), their changes."""
     stream = handle.options(stream=True)
     traces: list[RequestTrace] = []
     steps: dict[str, list[StepRecord]] = {}
@@ -256,5 +338,13 @@ async def _replay(
     async def tell_replicas(arrivals_done: bool) -> None:
         await arrivals.set.remote(arrivals_done)
 
-    await send_on_schedule(workload, send, tell_replicas)
-    return traces, steps
+    scaling: list[ScalingDecision] = []
+    sampler = None if sample_every is None else asyncio.ensure_future(_sample_replicas(sample_every, scaling))
+    try:
+        await send_on_schedule(workload, send, tell_replicas)
+    finally:
+        if sampler is not None:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
+    return traces, steps, scaling

@@ -15,7 +15,10 @@ pools, in the simulator `sim.disaggregation`); a cell sized otherwise (`sweep.au
 an autoscaling policy from its `min` replicas, or a static size) runs on a cluster of its own,
 its policy pricing work at one replica's share of that capacity. On Ray an autoscaled cell gets
 a fresh cluster with its controller (`cluster.autoscaler`); in the simulator it runs on
-`sim.autoscaling.AutoscalingSimulator`, the same policy objects on virtual time.
+`sim.autoscaling.AutoscalingSimulator`, the same policy objects on virtual time. A cell routed
+by a Ray Serve router runs on Serve with the cell's replica count, or, sized by `target_ongoing`,
+grown and shrunk by Serve's own autoscaler on that policy's parameters (the simulator has no
+Serve: there `target_ongoing` is the same rule).
 """
 
 from __future__ import annotations
@@ -160,6 +163,8 @@ class SimulatedBackend:
             routing_policy=routing,
             seed=seed,
             cost_scales=self.plan.experiment.cluster.cost_scales,
+            step_overhead=self.plan.experiment.cluster.step_overhead,
+            dispatch_delay=self.plan.experiment.cluster.dispatch_delay,
             slo=experiment_slo(self.plan),
         )
 
@@ -271,14 +276,22 @@ class RayBackend:
             self.deployed = None if autoscale is not None else wanted  # an autoscaled one changes size
         return self.deployment
 
-    def _deploy_serve(self, cell: Cell) -> ServeBaseline:
+    def _deploy_serve(self, cell: Cell, replicas: int, autoscale: AutoscaleConfig | None) -> ServeBaseline:
+        """Ray Serve's deployment for `cell`: `replicas` of them, or from there as Serve's
+        autoscaler sizes it by `autoscale` (always a fresh application)."""
         from cluster.store_actor import StoreActor
 
         self.close()
         c = self.plan.experiment.cluster
         self.serve_store = StoreActor.remote(str(self.store_path.resolve()))
         self.serve = ServeBaseline(
-            self._replica_config(cell), c.replicas, cell.routing, self.serve_store, c.num_cpus, c.num_gpus
+            self._replica_config(cell),
+            replicas,
+            cell.routing,
+            self.serve_store,
+            c.num_cpus,
+            c.num_gpus,
+            autoscale=autoscale,
         )
         return self.serve
 
@@ -296,9 +309,10 @@ class RayBackend:
         """One cell on `replicas` replicas (an autoscaled one's start); `capacity` is the one
         measured on `cluster.replicas`."""
         run = {"name": name, "config": config, "batching_policy": cell.batching, "seed": cell.seed, "slo": slo}
-        if cell.routing in SERVE_ROUTERS:
-            return self._deploy_serve(cell).run_workload(workload, vocab_size=self.vocab_size, **run)
         autoscale = self.plan.scaling(cell)
+        if cell.routing in SERVE_ROUTERS:
+            scaled = autoscale if isinstance(autoscale, AutoscaleConfig) else None
+            return self._deploy_serve(cell, replicas, scaled).run_workload(workload, vocab_size=self.vocab_size, **run)
         if isinstance(autoscale, AutoscaleConfig):
             deployment = self._deploy(cell, replicas, autoscale, self.plan.replica_capacity(capacity))
         else:

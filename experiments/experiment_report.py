@@ -20,7 +20,7 @@ from pathlib import Path
 from cluster.serve_baseline import SERVE_ROUTERS
 from experiments.plan import AXES, Cell
 from experiments.run import ExperimentResult
-from experiments.scaling_report import SCALING_METRICS, against_static, scaling_figures
+from experiments.scaling_report import SCALING_METRICS, against_static, plot_scaling_timeline, scaling_figures
 from metrics.definitions import SLO
 from metrics.goodput_report import analyze
 from metrics.store import MetricsStore
@@ -42,14 +42,28 @@ METRICS: list[tuple[str, str, Callable[[dict], float | None], str]] = [
     ("regret", "regret s", lambda c: c["regret"]["mean"], "{:.3f}"),
     ("ttft_mape", "TTFT pred MAPE %", lambda c: _pct(c["ttft_prediction"]["mape"]), "{:.1f}"),
     ("index_staleness", "index stale %", lambda c: _pct(c["index_staleness"]["staleness"]), "{:.1f}"),
+    ("transfer", "hand-over s", lambda c: c["transfer"], "{:.4f}"),
 ]
-# shown only where a policy of the table predicts TTFT, or believes what the replicas' caches hold
-PREDICTIONS = {"ttft_mape", "index_staleness"}
+# shown only where a policy of the table predicts TTFT, or believes what the replicas' caches hold,
+# or where a cell hands requests over with their K/V (prefill/decode pools)
+PREDICTIONS = {"ttft_mape", "index_staleness", "transfer"}
 SPREAD_NOTE = "median over seeds ± half the min–max range"
 
 
 def _pct(v: float | None) -> float | None:
     return None if v is None else 100 * v
+
+
+def transfer_seconds(store: MetricsStore, run_id: int) -> float | None:
+    """A run's mean hand-over time, from its prefill replicas' K/V to the decode replicas (None:
+    none was handed over). A simulated run states its link's price per hand-over in its config
+    (`sim.disaggregation.transfer_summary`); a cluster's run measured each fetch (the store's
+    migrations, `kv_seconds`)."""
+    config = store.run(run_id)["config"] or {}
+    if "handovers" in config:
+        return config["handover_seconds_mean"] if config["handovers"] else None
+    fetches = [m["kv_seconds"] for m in store.migrations(run_id) if m["kv_seconds"] is not None]
+    return sum(fetches) / len(fetches) if fetches else None
 
 
 @dataclass
@@ -83,7 +97,7 @@ def summarize_runs(result: ExperimentResult) -> list[SummaryRow]:
             row.run_ids.append(run_id)
             a = analyze(store, run_id, slo)
             kept = ("prefix_hit_rate", "imbalance", "regret", "ttft_prediction", "index_staleness")
-            scope = {**a["cluster"], **{k: a[k] for k in kept}}
+            scope = {**a["cluster"], **{k: a[k] for k in kept}, "transfer": transfer_seconds(store, run_id)}
             for key, _, value, _ in METRICS:
                 if (v := value(scope)) is not None:
                     row.values[key].append(v)
@@ -297,7 +311,7 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
     """`out`/report.md with the table, the command, the machine, the runs and the plots (PNGs in `out`)."""
     experiment = result.plan.experiment
     out.mkdir(parents=True, exist_ok=True)
-    plots = _plots(result, rows, out)
+    plots = _plots(result, rows, out) + plot_scaling_timeline(result, rows, out)
     store = MetricsStore(result.store_path)
     try:
         first = store.run(result.runs[0][1])
@@ -317,6 +331,9 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
         model = f"simulated: {type(cost).__name__}" + (
             f" from {c.cost_model}" if c.cost_model else f" ({c.fake_step_seconds * 1000:g} ms a step)"
         )
+        if c.step_overhead or c.dispatch_delay:
+            model += f", plus {c.step_overhead * 1000:g} ms of serving loop a step"
+            model += f" and {c.dispatch_delay * 1000:g} ms from arrival to replica"
     if c.cost_scales is not None:
         model += f", replicas' step times x {', '.join(f'{x:g}' for x in c.cost_scales)} (each its own)"
     sizing = ""

@@ -5,7 +5,10 @@ split), its engine config and its workload, and the cost model a simulated run p
 
 A cell's cluster is `cluster.replicas` replicas, or what its `sweep.autoscale` entry (merged over
 `[cluster] autoscale`) says: an autoscaling policy, started at its `min` replicas, or static
-provisioning (`StaticSize`), sized from the cell's own workload."""
+provisioning (`StaticSize`), sized from the cell's own workload. A cell routed by one of Ray
+Serve's routers is sized by Serve: statically, or by Serve's own autoscaler where its policy is
+`target_ongoing` (Serve's rule, `cluster.serve_baseline.serve_autoscaling_config`); paired
+with any other policy it cannot run, and is left out (`Plan.serve_unscalable`)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, ValidationError
 
 from autoscaling.policies import AutoscaleConfig
-from cluster.serve_baseline import SERVE_ROUTERS
+from cluster.serve_baseline import SERVE_POLICY, SERVE_ROUTERS
 from protocol.registry import Registry, UnknownChoiceError
 from replica.config import EngineConfig
 from replica.errors import ConfigError
@@ -103,6 +106,7 @@ class Plan:
     cost: CostModel | None = None  # what a simulated or fake step costs; None for a real model on Ray
     workload_args: dict[str, dict] = field(default_factory=lambda: {"": {}})  # Cell.workload -> its arguments
     skipped: int = 0  # cells routed by Ray Serve's routers, left out of a simulated plan
+    serve_unscalable: int = 0  # cells routed by Ray Serve sized by a policy Serve's autoscaler is not
     scalings: dict[str, Scaling] = field(default_factory=lambda: {"": None})  # Cell.scaling -> how it is sized
     cold_start_s: float = 10.0  # a simulated replica's start (actor, model load, first step); Ray measures its own
 
@@ -197,7 +201,13 @@ def plan_experiment(
             budgets, sweep.routing, sweep.load or [None], scalings, sweep.pools or [""], sweep.seeds
         ):
             cells.append(Cell(batching, routing, load, budget, slots, seed, name, scaling, pools))
-    plan = Plan(experiment, cells, workload_args=variants, scalings=scalings, cold_start_s=cold_start_s)
+    runnable = [cell for cell in cells if not _serve_unscalable(cell, scalings)]
+    plan = Plan(experiment, runnable, workload_args=variants, scalings=scalings, cold_start_s=cold_start_s)
+    plan.serve_unscalable, cells = len(cells) - len(runnable), runnable
+    if not cells:
+        raise experiment.error(
+            ("sweep", "autoscale"), f"Ray Serve's routers are autoscaled only by Serve's own rule, {SERVE_POLICY!r}"
+        )
     _check_pools(plan)
     for cell in {cell.deployment: cell for cell in cells}.values():
         try:
@@ -219,6 +229,11 @@ def plan_experiment(
     if simulate or c.model == "fake":
         plan.cost = _cost_model(experiment)
     return plan
+
+
+def _serve_unscalable(cell: Cell, scalings: dict[str, Scaling]) -> bool:
+    scaling = scalings[cell.scaling]
+    return cell.routing in SERVE_ROUTERS and isinstance(scaling, AutoscaleConfig) and scaling.policy != SERVE_POLICY
 
 
 def _check_pools(plan: Plan) -> None:

@@ -3,19 +3,25 @@
 from its start size and the store's scaling decisions, read the same way for the simulator
 and Ray), goodput per replica-second (output tokens of requests that met the SLO, over them),
 scale events, the most replicas at once and the median cold start (`scaling_figures`, columns
-of the experiment's table); and the best autoscaling policy against the most provisioned
-static cluster (`against_static`, a section of its report)."""
+of the experiment's table); the best autoscaling policy against the most provisioned
+static cluster and against Ray Serve's autoscaler on the same engine (`against_static`, a
+section of its report); and the timeline of each sized cell (`plot_scaling_timeline`: offered
+load, replicas by state, TTFT p90 per window, an SVG beside the report)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from autoscaling.policies import AutoscaleConfig
+from cluster.serve_baseline import SERVE_POLICY, SERVE_ROUTERS
 from experiments.plan import AXES, Cell
 from experiments.run import ExperimentResult
 from metrics.store import MetricsStore
+from workloads.capacity import Capacity
 
 # key, header, format: shown where a cell's cluster is autoscaled or statically sized (`scaling_figures`)
 SCALING_METRICS: list[tuple[str, str, str]] = [
@@ -26,6 +32,8 @@ SCALING_METRICS: list[tuple[str, str, str]] = [
     ("cold_start_s", "cold start s", "{:.2f}"),
 ]
 ATTAINMENT_SHARE = 0.99  # an autoscaling policy competes when it keeps this share of static's SLO attainment
+TIMELINE_WINDOW_S = 10.0  # the timeline's offered load and TTFT p90 are read per window this long
+STATE_COLOURS = {"serving": "#4c72b0", "starting": "#dd8452", "draining": "#c44e52"}
 
 
 class Row(Protocol):
@@ -56,16 +64,17 @@ class ReplicaTimeline:
 
 
 def replica_timeline(store: MetricsStore, run_id: int) -> ReplicaTimeline:
-    """From the run's first planned arrival (time 0 of its workload, on the run's clock) to its
-    last step or completion: `num_replicas` of its config to begin with, then after each
+    """From the run's first planned arrival (on the run's clock: virtual in the simulator, the
+    wall clock on Ray) to its last step or completion: `num_replicas` of its config to begin with, then after each
     scaling decision the replicas it found alive plus those it started (a replica it drains
     stays alive until the next decision sees it gone). Decisions sample the cluster every
-    decision period, so a start or an end counts to within one period."""
+    decision period, so a start or an end counts to within one period. A run on Ray Serve's
+    autoscaler has the same rows, sampled from Serve's controller every decision period
+    (`cluster.serve_baseline`), read by the same rule: the replicas starting, serving or
+    draining, and those wanted beyond the ones starting or serving."""
     run, requests, steps = store.run(run_id), store.requests(run_id), store.steps(run_id)
-    timed = [r for r in requests if r["arrival"] is not None and r["planned_arrival"] is not None]
-    start = min((r["arrival"] - r["planned_arrival"] for r in timed), default=None)
-    if start is None:
-        start = min((r["arrival"] for r in requests if r["arrival"] is not None), default=0.0)
+    planned = [r["planned_arrival"] if r["planned_arrival"] is not None else r["arrival"] for r in requests]
+    start = min((t for t in planned if t is not None), default=0.0)
     ends = [r["completion"] for r in requests if r["completion"] is not None]
     end = max([start, *ends, *(s["start"] + s["duration"] for s in steps)])
     initial = (run["config"] or {}).get("num_replicas") or len({s["replica_id"] for s in steps}) or 1
@@ -73,7 +82,8 @@ def replica_timeline(store: MetricsStore, run_id: int) -> ReplicaTimeline:
     for d in store.scaling(run_id):
         if start <= d["time"] <= end:
             i = d["inputs"]
-            alive = int(i["serving"] + i["starting"] + i["draining"]) + max(0, d["desired"] - d["current"])
+            up = i["serving"] + i["starting"]  # a decision's `current`
+            alive = int(up + i["draining"] + max(0, d["desired"] - up))
             changes.append((d["time"], alive))
     return ReplicaTimeline(start, end, changes)
 
@@ -140,4 +150,175 @@ def against_static(result: ExperimentResult, rows: list[Row]) -> list[str]:
             )
         else:
             lines.append(f"best policy: none keeps {ATTAINMENT_SHARE:g}x of {ref.cell.scaling}'s SLO attainment")
+    return lines + against_serve_autoscaler(result, rows)
+
+
+def against_serve_autoscaler(result: ExperimentResult, rows: list[Row]) -> list[str]:
+    """Per cell Ray Serve's autoscaler sized (a Serve router, sized by `target_ongoing`), each of
+    slotserve's autoscaling policies at the same point of the sweep against it, and the policy
+    with the fewest replica-seconds among those that match its SLO attainment on every seed at no
+    more replica-seconds (medians over seeds). A simulated plan, which has no Serve, says which
+    of its cells stands for it."""
+    scalings = result.plan.scalings
+    if result.simulated:
+        if result.plan.skipped and any(
+            isinstance(s, AutoscaleConfig) and s.policy == SERVE_POLICY for s in scalings.values()
+        ):
+            return [f"Ray Serve's autoscaler runs on Ray only; simulated, its rule is the {SERVE_POLICY} cell's"]
+        return []
+    lines = []
+
+    def autoscaled(r: Row) -> bool:
+        return isinstance(scalings[r.cell.scaling], AutoscaleConfig) and bool(r.values.get("replica_seconds"))
+
+    def median(r: Row, key: str) -> float:
+        return statistics.median(r.values[key])
+
+    for serve in [r for r in rows if r.cell.routing in SERVE_ROUTERS and autoscaled(r)]:
+        point = [a for a in AXES if a not in ("routing", "scaling")]
+        ours = [
+            r
+            for r in rows
+            if r.cell.routing not in SERVE_ROUTERS
+            and autoscaled(r)
+            and all(getattr(r.cell, a) == getattr(serve.cell, a) for a in point)
+        ]
+        if not ours:
+            continue
+        seconds, met = median(serve, "replica_seconds"), median(serve, "slo_attainment")
+        lines.append(
+            f"Ray Serve's autoscaler ({serve.cell.routing}, {serve.cell.scaling}): {seconds:.0f} replica-s, "
+            f"SLO met {met:.1f}%"
+        )
+        matching = []
+        for r in ours:
+            mine = median(r, "replica_seconds")
+            met_each = zip(r.values["slo_attainment"], serve.values["slo_attainment"])
+            if mine <= seconds and len(r.run_ids) == len(serve.run_ids) and all(m >= s for m, s in met_each):
+                matching.append((mine, r))
+            lines.append(
+                f"{r.cell.routing} {r.cell.scaling}: {mine / seconds:.2f}x its replica-seconds, "
+                f"SLO met {median(r, 'slo_attainment'):.1f}%"
+            )
+        if matching:
+            mine, best = min(matching, key=lambda m: m[0])
+            lines.append(
+                f"matches Ray Serve's autoscaler: {best.cell.scaling}, its SLO attainment on every seed at "
+                f"{100 * (1 - mine / seconds):.0f}% fewer replica-seconds"
+            )
+        else:
+            lines.append("matches Ray Serve's autoscaler: none, at its SLO attainment with no more replica-seconds")
     return lines
+
+
+@dataclass(frozen=True)
+class StateTimeline:
+    """The replicas by state over one run, as the scaling rows saw them: (seconds from the
+    run's start, serving, starting, draining) at the start and at each row that changed them."""
+
+    points: list[tuple[float, int, int, int]]
+
+
+def state_timeline(store: MetricsStore, run_id: int) -> StateTimeline:
+    """By `replica_timeline`'s rule, each alive replica in its state: those wanted beyond the
+    ones starting or serving count as starting from the row that asked for them."""
+    timeline = replica_timeline(store, run_id)
+    points = [(0.0, timeline.changes[0][1], 0, 0)]
+    for d in store.scaling(run_id):
+        if timeline.start <= d["time"] <= timeline.end:
+            i = d["inputs"]
+            serving, starting, draining = int(i["serving"]), int(i["starting"]), int(i["draining"])
+            asked = max(0, d["desired"] - serving - starting)
+            if points[-1][1:] != (serving, starting + asked, draining):
+                points.append((d["time"] - timeline.start, serving, starting + asked, draining))
+    return StateTimeline(points)
+
+
+def windows(
+    store: MetricsStore, run_id: int, one_replica: Capacity, window_s: float = TIMELINE_WINDOW_S
+) -> tuple[list[float], list[float], list[float | None]]:
+    """Per `window_s` of the run, by planned arrival: the offered load in replicas (the work of
+    the requests arriving then at `one_replica`'s capacity, over the window) and the TTFT p90
+    of those that got a first token (None: none did)."""
+    start = replica_timeline(store, run_id).start
+    work: dict[int, float] = {}
+    ttfts: dict[int, list[float]] = {}
+    for r in store.requests(run_id):
+        planned = r["planned_arrival"] if r["planned_arrival"] is not None else r["arrival"]
+        if planned is None:
+            continue
+        k = int((planned - start) // window_s)
+        output = r["max_tokens"] if r["max_tokens"] is not None else r["output_len"] or 0
+        work[k] = work.get(k, 0.0) + one_replica.work_seconds(r["prompt_len"], output)
+        if r["first_token"] is not None and r["arrival"] is not None:
+            ttfts.setdefault(k, []).append(r["first_token"] - r["arrival"])
+    times = [(k + 0.5) * window_s for k in range(max(work, default=-1) + 1)]
+    load = [work.get(k, 0.0) / window_s for k in range(len(times))]
+    p90 = [_p90(ttfts[k]) if ttfts.get(k) else None for k in range(len(times))]
+    return times, load, p90
+
+
+def _p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+
+
+def plot_scaling_timeline(result: ExperimentResult, rows: list[Row], out: Path) -> list[tuple[str, Path]]:
+    """Where cells size their cluster: for each such row (its first seed's run) the offered load
+    over the replicas by state, and the TTFT p90 per window against the SLO's limit, as
+    `scaling_timeline.svg` in `out`. Empty (nothing written) without sized rows."""
+    sized = [r for r in rows if result.plan.scalings.get(r.cell.scaling) is not None and r.run_ids]
+    if not sized:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter, LogLocator
+
+    plan = result.plan
+    routings = len({r.cell.routing for r in sized}) > 1
+    store = MetricsStore(result.store_path)
+    matplotlib.rcParams["svg.hashsalt"] = "slotserve"  # the same runs write the same file
+    matplotlib.rcParams["svg.fonttype"] = "none"  # text as text, not glyph outlines: a smaller file
+    fig, axes = plt.subplots(len(sized), 2, figsize=(13, 2.4 * len(sized)), squeeze=False, sharex=True)
+    try:
+        for (left, right), r in zip(axes, sized):
+            run_id = r.run_ids[0]
+            one = plan.replica_capacity(result.capacities[r.cell.slots])
+            times, load, p90 = windows(store, run_id, one)
+            states = state_timeline(store, run_id).points
+            timeline = replica_timeline(store, run_id)
+            xs = [t for t, *_ in states] + [timeline.end - timeline.start]
+            below = [0] * len(xs)
+            for j, state in enumerate(STATE_COLOURS):
+                layer = [p[1 + j] for p in states] + [states[-1][1 + j]]
+                top = [b + n for b, n in zip(below, layer)]
+                left.fill_between(xs, below, top, step="post", color=STATE_COLOURS[state], alpha=0.7, label=state)
+                below = top
+            left.plot(times, load, color="black", lw=1.2, label="offered load")
+            name = f"{r.cell.routing} {r.cell.scaling}" if routings else r.cell.scaling
+            left.set_ylabel("replicas")
+            left.set_title(f"{name}: replicas by state, offered load ({TIMELINE_WINDOW_S:g} s windows)", fontsize=9)
+            shown = [(t, v) for t, v in zip(times, p90) if v is not None]
+            right.plot([t for t, _ in shown], [v for _, v in shown], color="#55a868", marker=".", lw=1)
+            right.axhline(plan.experiment.slo.ttft, color="grey", ls="--", lw=0.8, label="TTFT SLO")
+            right.set_yscale("log")
+            right.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))  # labelled: a run may span under a decade
+            for formatter in (right.yaxis.set_major_formatter, right.yaxis.set_minor_formatter):
+                formatter(FormatStrFormatter("%g"))
+            right.set_ylabel("TTFT p90 (s)")
+            right.set_title(f"{name}: TTFT p90 per {TIMELINE_WINDOW_S:g} s window", fontsize=9)
+        axes[0][0].legend(fontsize=7, loc="upper right", ncol=4)
+        axes[0][1].legend(fontsize=7, loc="upper left")
+        for ax in axes[-1]:
+            ax.set_xlabel("seconds from the first arrival")
+        kind = "simulated" if result.simulated else "real"
+        fig.suptitle(f"{plan.experiment.name} ({kind}): each sizing's first-seed run", fontsize=10)
+        fig.tight_layout()
+        path = out / "scaling_timeline.svg"
+        fig.savefig(path, format="svg", metadata={"Date": None})
+    finally:
+        plt.close(fig)
+        store.close()
+    return [("Scaling timeline", path)]

@@ -28,7 +28,9 @@ class RouteRequest:
 @dataclass(frozen=True)
 class RouterView:
     """The router actor's answer to a client that routes locally (`RouterActor.sync`): every
-    replica's last load report, and the replicas marked down with why."""
+    replica's last load report, the replicas marked down with why, and every replica it holds
+    (an autoscaler adds and removes them)."""
 
     reports: dict[str, LoadReport] = field(default_factory=dict)
     down: dict[str, str] = field(default_factory=dict)
+    replica_ids: tuple[str, ...] = ()

@@ -20,7 +20,14 @@ drained stays down until it is gone.
 Scaling: the autoscaling controller (`cluster.autoscaler`) reads `scaling_view` every decision
 period (the last load reports, the requests in flight, the new requests routed since its last
 look), adds a replica it started with `add_replica` (down, `starting`, until the health check
-above attaches it and passes) and takes a drained one away with `remove_replica`.
+above attaches it and passes) and takes a drained one away with `remove_replica`. Ray restarts
+this actor with the arguments it was created with, so a restarted router knows the replicas the
+cluster started with (one drained away since, whose name is gone, as down: `gone`): the
+controller gives it back the ones it added and has it remove the gone ones.
+
+Whether more requests may come (`set_arrivals_done`, from the driver) is kept here and passed
+to every replica, to each added or restarted one too, so a replica the cluster did not start
+with is not left waiting to fill a static batch.
 """
 
 from __future__ import annotations
@@ -75,7 +82,12 @@ class RouterActor:
         again by name, where handles passed by reference would be gone with their owner.
         `pools`: the replicas' prefill/decode roles and the P/D decider (`router.pd_router`).
         `tpot_slo`: the TPOT limit of the SLO runs are judged by (see `Router`)."""
-        self._handles = {replica_id: _actor(h) for replica_id, h in replica_handles.items()}
+        # Restarted by Ray: the replicas were registered long ago, so a name that is gone now
+        # belonged to a replica drained since; it stays down, as `gone`, until the autoscaling
+        # controller, which gives back the replicas it added, has it removed.
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        found = {r: _actor(h, 0.0 if restarted else 60.0, missing_ok=restarted) for r, h in replica_handles.items()}
+        self._handles = {replica_id: h for replica_id, h in found.items() if h is not None}
         store = _actor(store) if store is not None else None
         bounds = {"max_in_flight_per_replica": max_in_flight_per_replica, "max_in_flight": max_in_flight}
         if pools is None:
@@ -84,11 +96,14 @@ class RouterActor:
             self._router = PdRouter(list(replica_handles), pools, policy=policy, seed=seed, tpot_slo=tpot_slo, **bounds)
         # live metrics: `telemetry(router)` builds the exporter it is given (cluster.prometheus_exporters)
         self._telemetry = telemetry(self._router) if telemetry else RouterTelemetry()
+        for replica_id in replica_handles.keys() - self._handles.keys():
+            self._router.mark_down(replica_id, "gone")
         self._bound_given = max_in_flight is not None  # else the bound in all follows the replica count
         # new requests routed since the last scaling view: count, prompt tokens, max_tokens
         self._window_start = time.time()
         self._arrived = self._arrived_prompt = self._arrived_output = 0
         self._draining: set[str] = set()
+        self._arrivals_done: bool | None = None  # None: not said since this actor (re)started
         self._health: dict[str, HealthReport | Unreachable] = {}  # last answer per replica
         self._restarting: set[str] = set()  # killed for a restart, not yet healthy again
         self._restarts_asked = 0
@@ -138,7 +153,7 @@ class RouterActor:
         that are down (with why), so its view is this router's, one call per report interval."""
         if self._store is not None and self._run_id is not None:
             self._decisions.add(decisions)
-        return RouterView(self._router.load.last_reports(), dict(self._router.down))
+        return RouterView(self._router.load.last_reports(), dict(self._router.down), tuple(self._handles))
 
     def replica_lost(self, replica_id: str, reason: str) -> int:
         """A client lost its stream from the replica (the actor died, or its node): route
@@ -169,13 +184,27 @@ class RouterActor:
         self._router.add_replica(replica_id)
         self._router.mark_down(replica_id, "starting")
         self._follow_replica_count()
+        self._tell_arrivals_done([replica_id])
+
+    def set_arrivals_done(self, done: bool) -> None:
+        """The driver says whether more requests may come before a running one ends: passed to
+        every replica (waiting a few seconds for them, so the driver's next request comes after
+        it) and to each replica added or restarted from now on."""
+        self._arrivals_done = done
+        refs = self._tell_arrivals_done(list(self._handles))
+        ray.wait(refs, num_returns=len(refs), timeout=10.0)
+
+    def _tell_arrivals_done(self, replica_ids: list[str]) -> list[ray.ObjectRef]:
+        if self._arrivals_done is None:
+            return []
+        return [self._handles[r].set_arrivals_done.remote(self._arrivals_done) for r in replica_ids]
 
     def remove_replica(self, replica_id: str) -> None:
         """A drained replica is gone: forget it (its requests were handed back to their clients)."""
-        if replica_id not in self._handles:
+        if replica_id not in self._router.replica_ids:
             return
         self._router.remove_replica(replica_id)
-        del self._handles[replica_id]
+        self._handles.pop(replica_id, None)
         for held in (self._draining, self._restarting):
             held.discard(replica_id)
         self._health.pop(replica_id, None)
@@ -201,6 +230,7 @@ class RouterActor:
                 if not answer.attached:  # restarted by Ray: attach now, mark up on the next healthy answer
                     me = ray.get_runtime_context().current_actor
                     self._handles[replica_id].attach.remote(me, self._store, self._run_id)
+                    self._tell_arrivals_done([replica_id])
                 elif replica_id in self._router.down:
                     self._router.mark_up(replica_id)
                 continue
@@ -269,6 +299,7 @@ class RouterActor:
         so far go out under the previous run."""
         self.flush()
         self._run_id = run_id
+        self._arrivals_done = False  # as each replica's `set_run` says: the run's requests are to come
         self._telemetry.set_run(run_id)
 
     def flush(self) -> None:
@@ -286,9 +317,10 @@ class RouterActor:
         return self._store.add_decision_records.remote(self._run_id, decisions).future()
 
 
-def _actor(handle_or_name: ActorHandle | str, wait: float = 60.0) -> ActorHandle:
+def _actor(handle_or_name: ActorHandle | str, wait: float = 60.0, missing_ok: bool = False) -> ActorHandle | None:
     """The handle, or the actor of that name in this actor's namespace. Ray registers a new
-    named actor asynchronously, so a name given right after its creation is retried a while."""
+    named actor asynchronously, so a name given right after its creation is retried for `wait`
+    seconds; then a name still missing raises, or with `missing_ok` gives None."""
     if not isinstance(handle_or_name, str):
         return handle_or_name
     deadline = time.monotonic() + wait
@@ -296,6 +328,8 @@ def _actor(handle_or_name: ActorHandle | str, wait: float = 60.0) -> ActorHandle
         try:
             return ray.get_actor(handle_or_name)
         except ValueError:
-            if time.monotonic() > deadline:
+            if time.monotonic() >= deadline:
+                if missing_ok:
+                    return None
                 raise
             time.sleep(0.1)

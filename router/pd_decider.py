@@ -8,10 +8,11 @@ run the same objects.
   prefill replica's prefix cache does not hold) reach a threshold; a short prompt costs its
   decode replica little, and its hand-over would cost more than its prefill.
 - `queue_aware` also weighs the decode replica's running decodes, the prefill replica's
-  backlog and the transfer: colocated, the prompt's prefill delays this request and every
-  decode running beside it; disaggregated, it delays only this request, by the prefill
-  replica's backlog and the hand-over. It disaggregates past the threshold only when that is
-  the smaller delay, so it does not where it does not pay (an idle decode pool, a slow link).
+  backlog and the transfer (its bytes on the pools' link, `PdCosts.link`): colocated, the
+  prompt's prefill delays this request and every decode running beside it; disaggregated, it
+  delays only this request, by the prefill replica's backlog and the hand-over. It
+  disaggregates past the threshold only when that is the smaller delay, so it does not where
+  it does not pay (an idle decode pool, a slow link).
 """
 
 from __future__ import annotations

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protocol.handover import SAME_NODE, KvLink
 from protocol.routing import RouteRequest
 from router.load import ReplicaView
-from router.pd_decider import PD_DECIDERS, PdView
+from router.pd_decider import PD_DECIDERS, PdCosts, PdView
 from router.policies import DEFAULT_POLICY, RoutingPolicy, make_routing_policy
 from router.router import Router
 
@@ -25,12 +26,14 @@ ROLES = ("mixed", "prefill", "decode")
 @dataclass(frozen=True)
 class PdPools:
     """Which replicas prefill (the rest decode), the P/D decider by name with its threshold,
-    and the K/V a hand-over sends per prompt token (what the queue-aware decider prices)."""
+    the K/V a hand-over sends per prompt token and the link they cross (what the queue-aware
+    decider prices a hand-over at: a simulation's or an experiment's `kv_link`)."""
 
     roles: dict[str, str] = field(default_factory=dict)
     decider: str = "threshold"
     threshold: int = 256
     kv_bytes_per_token: int = 0
+    link: KvLink = SAME_NODE
 
     def role(self, replica_id: str) -> str:
         return self.roles.get(replica_id, "mixed")
@@ -43,7 +46,7 @@ class PdRouter(Router):
     def __init__(self, replica_ids: list[str], pools: PdPools, prefill_policy: str | None = None, **kwargs):
         super().__init__(replica_ids, **kwargs)
         self.pools = pools
-        self.decider = PD_DECIDERS[pools.decider](threshold=pools.threshold)
+        self.decider = PD_DECIDERS[pools.decider](threshold=pools.threshold, costs=PdCosts(link=pools.link))
         self.prefill_policy = self._prefill_policy(prefill_policy or kwargs.get("policy", DEFAULT_POLICY))
         self.disaggregated = self.colocated = 0
 

@@ -388,7 +388,7 @@ class PredictedLatency(PrecisePrefix):
 
     def completed(self, request_id: str, output_len: int | None) -> None:
         super().completed(request_id, output_len)
-        self.latency.completed(request_id)
+        self.latency.completed(request_id, output_len)
 
     def reported(self, load: LoadReport) -> None:
         self.latency.reported(load)

@@ -12,11 +12,15 @@ then prefill chunks within the replica's token budget; a request whose expected 
 prefill is its prompt less the prefix the replica holds (the precise block index kept from the
 replica's K/V events, and the prompts in flight there: `PrecisePrefix.matched`; none on a
 replica that sends no K/V events, which has no prefix cache), as it was at dispatch; one whose
-first token the last load report shows is decoding. The walk starts at that report, so the
-steps since then count as past. Each step is priced by the replica's own cost model
-(`protocol.cost.StepPricing`, on its load reports), so replicas of different speeds are told
-apart from their first report; a replica that reports none (a real model) is priced by
-`DEFAULT_PRICING` until its correction has learned it.
+first token the last load report shows is decoding, with the output still to come given what it
+has made: its expected output less what it made while that is ahead, else (it has outlived its
+estimate, as outputs with a heavy tail often do) the median of what the recent finished outputs
+that ran longer still had to go (`OutputResiduals`). Counting such a row one step from its end
+would show a full replica a slot about to free, and send it requests that wait for one. The
+walk starts at that report, so the steps since then count as past. Each step is priced by the
+replica's own cost model (`protocol.cost.StepPricing`, on its load reports), so replicas of
+different speeds are told apart from their first report; a replica that reports none (a real
+model) is priced by `DEFAULT_PRICING` until its correction has learned it.
 
 The correction: each replica's reports say how long its requests waited for their first token
 (`LoadReport.ttft`), and the policy keeps, per replica, an exponentially weighted mean of
@@ -32,6 +36,8 @@ already ranks that replica behind any that can serve sooner.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 from protocol import defaults
@@ -50,6 +56,25 @@ MAX_WALK_STEPS = 4096
 TPOT_STEPS = 16  # decode steps of the new request its predicted TPOT is the mean of
 CORRECTION_WEIGHT = 0.1  # weight of each new error sample in a replica's running correction
 MAX_ERROR_RATIO = 2.0  # one sample's measured / predicted is clipped to [1/x, x]: one stall moves it little
+OUTPUT_WINDOW = 256  # finished outputs the residuals are read from
+
+
+class OutputResiduals:
+    """The output still to come of a request that has made `made` tokens, from the lengths of the
+    last `window` finished ones: the median of `length - made` over those longer than `made`
+    (`made` again when none was: it has run as long as the longest seen)."""
+
+    def __init__(self, window: int = OUTPUT_WINDOW):
+        self._lengths: deque[int] = deque(maxlen=window)
+
+    def observe(self, output_len: int) -> None:
+        self._lengths.append(output_len)
+
+    def remaining(self, expected: float, made: int) -> float:
+        if made < expected:
+            return expected - made
+        longer = [n - made for n in self._lengths if n > made]
+        return float(statistics.median(longer)) if longer else float(max(1, made))
 
 
 @dataclass
@@ -92,6 +117,7 @@ class LatencyModel:
         self._log_error: dict[str, float] = {}  # replica -> running mean of log(measured / predicted)
         self._caching: set[str] = set()  # replicas whose reports carry K/V events: a prefix cache
         self._last: dict[str, tuple[Prediction, int]] = {}  # the last scoring's raw predictions, cached tokens
+        self.residuals = OutputResiduals()
 
     def scores(
         self, request: RouteRequest, views: list[ReplicaView], matched: dict[str, int], expected_output: float
@@ -141,7 +167,7 @@ class LatencyModel:
             if made == 0:
                 rows.append(_Row(placed.to_prefill, placed.cached, expected))
             else:
-                rows.append(_Row(0.0, placed.prompt_len + made, max(1.0, expected - made)))
+                rows.append(_Row(0.0, placed.prompt_len + made, self.residuals.remaining(expected, made)))
         return rows
 
     def dispatched(self, request: RouteRequest, replica_id: str, now: float, expected_output: float) -> None:
@@ -160,7 +186,11 @@ class LatencyModel:
         self._placed[request.request_id] = placed
         self._by_replica.setdefault(replica_id, {})[request.request_id] = placed
 
-    def completed(self, request_id: str) -> None:
+    def completed(self, request_id: str, output_len: int | None = None) -> None:
+        """The request left its replica (`output_len`: what it made on a natural end, None: not
+        known or moved), so it leaves that queue and its length joins the residuals'."""
+        if output_len is not None:
+            self.residuals.observe(output_len)
         placed = self._placed.pop(request_id, None)
         if placed is not None:
             del self._by_replica[placed.replica_id][request_id]

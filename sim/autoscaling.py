@@ -12,11 +12,13 @@ arrivals since the last decision) and its decision is acted on at once:
 - a scale-down first cancels replicas still starting (the newest first), then drains serving
   ones, the one holding fewest requests first (the newest on a tie): the router marks it down,
   so it gets no new requests, and the requests it holds run to their end there;
-- a replica's replica-seconds run from the start of its cold start (0 for the first ones) to
-  the end of its drain (its last step), its cancellation, or the end of the run.
+- a replica's replica-seconds run from the start of its cold start (the first arrival for the
+  first ones) to the end of its drain (its last step), its cancellation, or the end of the run.
+  The first arrival is where the report's `replica_timeline` begins too, the one time a run on
+  Ray and one here both know on their own clocks.
 
 Static provisioning is the plain simulator: `static_replica_seconds` counts its replicas over
-the same span, from 0 to the run's last step (`run_end`); `offered_load` is what sizes it (at the
+the same span, from the first arrival to the run's last step (`run_end`); `offered_load` is what sizes it (at the
 peak or the mean)."""
 
 from __future__ import annotations
@@ -118,7 +120,8 @@ class AutoscalingSimulator(Simulator):
         self.cold_start_s = cold_start_s
         self.policy = make_autoscaling_policy(autoscale, self.clock, capacity)
         self.scaling_decisions: list[ScalingDecision] = []
-        self.spans = {r.replica_id: ReplicaSpan(r.replica_id, 0.0, 0.0) for r in self.replicas}
+        first = min((r.arrival for r in workload.requests), default=0.0)
+        self.spans = {r.replica_id: ReplicaSpan(r.replica_id, first, first) for r in self.replicas}
         self._starting: list[str] = []  # in the order asked for: equal cold starts end in that order
         self._draining: set[str] = set()
         self._next_decision = autoscale.period_s
@@ -249,8 +252,9 @@ def run_end(result: SimulationResult) -> float:
 
 
 def static_replica_seconds(result: SimulationResult) -> float:
-    """Replica-seconds of a static cluster: every replica from 0 to the run's end."""
-    return result.config.num_replicas * run_end(result)
+    """Replica-seconds of a static cluster: every replica from the first arrival to the run's end."""
+    first = min((t.arrival for t in result.traces), default=0.0)
+    return result.config.num_replicas * (run_end(result) - first)
 
 
 def offered_load(workload: Workload, capacity: Capacity, window_s: float | None) -> float:

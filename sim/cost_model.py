@@ -1,6 +1,8 @@
 """The calibrated cost model of the simulator: a step's time as a linear function of its work
 (decode and prefill tokens, attended context, padding rows), fitted by non-negative least
-squares to step times the real engine measured (`slotserve calibrate`, or recorded runs)."""
+squares to step times the real engine measured (`slotserve calibrate`, or recorded runs); and
+the serving loop's time per step beside what the model prices (`step_overhead`), which a
+simulated replica adds to every step (`sim.simulator.SimulationConfig.step_overhead`)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from protocol.cost import LinearCostModel, StepFeatures
 from replica.errors import ConfigError
 
 FEATURES = ("decode_tokens", "prefill_tokens", "context_tokens", "padding_rows")
+MAX_LOOP_GAP = 0.01  # seconds from a step's end to the next one's start that still count as the loop going on
 
 
 class FitQuality(BaseModel):
@@ -103,3 +106,23 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
             break
         del active[int(np.argmin(sol))]
     return coef / scale
+
+
+def step_overhead(steps: Sequence[dict], cost: LinearCostModel) -> float | None:
+    """Seconds a replica spends per step beyond what `cost` prices the step at, from the steps a
+    cluster's replicas recorded (`steps` rows of the metrics store, any replicas and runs): the
+    median, over every step a busy replica followed at once with another (the next one starting
+    within `MAX_LOOP_GAP` of its end: not an idle wait for an arrival), of the time from its start
+    to the next one's start less its price. That covers the loop's work between steps (token
+    events, the load report, the inbox) and, on a fake replica, each priced sleep's overshoot.
+    None: no such pair of steps."""
+    by_replica: dict[tuple, list[dict]] = {}
+    for row in steps:
+        by_replica.setdefault((row.get("run_id"), row["replica_id"]), []).append(row)
+    excess = []
+    for rows in by_replica.values():
+        rows.sort(key=lambda r: r["start"])
+        for step, after in zip(rows, rows[1:]):
+            if after["start"] - (step["start"] + step["duration"]) < MAX_LOOP_GAP:
+                excess.append(after["start"] - step["start"] - cost.predict(StepFeatures.of_row(step)))
+    return float(np.median(excess)) if excess else None

@@ -56,7 +56,7 @@ class SimPools(BaseModel):
 
     def pd_pools(self, replica_ids: list[str]) -> PdPools:
         roles = {rid: "prefill" if i < self.prefill_replicas else "decode" for i, rid in enumerate(replica_ids)}
-        return PdPools(roles, self.decider, self.threshold, DEFAULT_KV_BYTES_PER_TOKEN)
+        return PdPools(roles, self.decider, self.threshold, DEFAULT_KV_BYTES_PER_TOKEN, self.link)
 
 
 @dataclass(frozen=True)

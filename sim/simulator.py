@@ -16,8 +16,17 @@ replica joins its queue and its next step, as the cluster's inbox does. At equal
 ends come first, then arrivals, then new steps, so one replica replays exactly what
 `sim.replay.replay` does on a FakeClock.
 
-Left out on purpose: routing takes no time (a decision costs tens of microseconds against
-steps of tens of milliseconds), and messages (reports, completions, tokens) arrive at once.
+What a cluster spends outside the steps, as its runs measured it
+(`benchmarks/experiment_fidelity.py --file`): each replica's serving loop between two steps (token
+events, the load report, the inbox; a fake step's sleep overshoot), `step_overhead` seconds
+added to every step, not scaled by `cost_scales`; and a request's way to its replica (the route
+and submit calls) and its first token's way back, `dispatch_delay` seconds, by which each
+request is routed and queued after its planned arrival, its TTFT counted from that arrival.
+Without them a simulated cluster decodes faster than the one it stands for, and a prefix hit's
+TTFT (one short step) misses a large part.
+
+Left out on purpose: a decision's own time (tens of microseconds against steps of milliseconds);
+reports and completions reach the router at once.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, field_validator
 
 from metrics.definitions import SLO, RequestTrace
 from metrics.recording import record_run
@@ -65,6 +74,8 @@ class SimulationConfig(BaseModel):
         description="replicas of different speeds: replica i's step times x cost_scales[i] (repeating past the list)",
     )
     slo: SLO = Field(default_factory=SLO, description="the SLO the run is judged by; the router routes within its TPOT")
+    step_overhead: NonNegativeFloat = Field(0.0, description="seconds a replica's loop adds to each step (not scaled)")
+    dispatch_delay: NonNegativeFloat = Field(0.0, description="seconds from arrival to routed and queued on a replica")
 
     @field_validator("routing_policy")
     @classmethod
@@ -188,7 +199,9 @@ class Simulator:
         )
 
     def _next_time(self) -> float | None:
-        times = [t for t in (self.schedule.next_time(), self._events[0][0] if self._events else None) if t is not None]
+        arrival = self.schedule.next_time()  # plus the delay: the sum `due` tests, so none is left behind
+        arrival = None if arrival is None else arrival + self.config.dispatch_delay
+        times = [t for t in (arrival, self._events[0][0] if self._events else None) if t is not None]
         if not times:
             return None  # a subclass's timers never keep a run going that has nothing left to do
         timer = self._next_timer()
@@ -204,7 +217,7 @@ class Simulator:
         that time (so a replica ready at `now` can take them)."""
 
     def _admit_arrivals(self, now: float) -> None:
-        due = self.schedule.due(now)
+        due = self.schedule.due(now, start=self.config.dispatch_delay)
         for index, spec, planned in due:
             rid = f"{self.workload.name}-{index}"
             self._arrivals[rid] = Arrival(index, spec, planned)
@@ -265,6 +278,7 @@ class Simulator:
             return
         if self.check_invariants:
             replica.engine.scheduler.check_invariants()
+        _advance(replica.clock, replica.clock.now() + self.config.step_overhead)  # the loop's own work
         replica.busy = True
         heapq.heappush(self._events, (replica.clock.now(), self._STEP_END, next(self._seq), index, result))
 

@@ -113,3 +113,115 @@ def test_experiment_file_states_an_autoscaled_cluster(tmp_path):
     assert plan.autoscale.params == {"target_ongoing_requests": 3}
     with pytest.raises(ExperimentError, match="autoscale"):
         plan_experiment(write('{ policy = "target_ongoing", min = 1, max = 4, nope = 3 }'))
+
+
+def test_added_replicas_hear_arrivals_survive_a_router_restart_and_leave_local_routers(ray_local, tmp_path):
+    """Static batching, where a lone request runs only once the replica knows no more requests
+    come: the replica the controller adds for three long requests warms up (its warm-up runs
+    alone), hears the driver's word given before it existed and each change of it after;
+    a router Ray restarts is given it back by the controller and routes to it; and once it is
+    drained away, a client routing locally forgets it."""
+    autoscale = AutoscaleConfig(
+        policy="target_ongoing",
+        min_replicas=1,
+        max_replicas=2,
+        cooldown_s=0.0,
+        period_s=0.25,
+        drain_timeout_s=0.2,
+        params={"target_ongoing_requests": 1, "upscale_delay_s": 0.0, "downscale_delay_s": 3.0, "look_back_s": 0.5},
+    )
+    engine = EngineConfig(policy="static", num_slots=2, max_seq_len=1024)
+    spec = ClusterSpec(
+        num_replicas=1,
+        replica=ReplicaConfig(engine=engine, fake_step_seconds=0.01),
+        store_path=str(tmp_path / "s.db"),
+        health_period=0.25,
+        autoscale=autoscale,
+    )
+    try:
+        router = start_cluster(spec).router
+        ray.get(router.set_arrivals_done.remote(False))  # what the driver says while a run's requests may come
+
+        def ask(method: str, *args):
+            try:
+                return ray.get(getattr(router, method).remote(*args), timeout=5)
+            except ray.exceptions.RayError:  # the router is restarting
+                return None
+
+        def added_is_up() -> bool:
+            return bool(ask("is_up", "replica-1"))
+
+        async def run():
+            with Client() as client, Client(routing="local") as local:
+                long = [
+                    asyncio.ensure_future(client.agenerate([i + 3, 1], max_tokens=900, ignore_eos=True))
+                    for i in range(3)
+                ]
+                await asyncio.to_thread(wait_until, added_is_up, 120, "the added replica to serve")
+                waiting = asyncio.ensure_future(client.agenerate([8, 8], max_tokens=4, ignore_eos=True))
+                await asyncio.sleep(1.0)
+                assert not waiting.done()  # a static batch of one waits for more requests to come
+                await router.set_arrivals_done.remote(True)
+                alone = await asyncio.wait_for(waiting, 30)
+                assert alone.replica_id == "replica-1" and alone.finish_reason == "length"
+                assert "replica-1" in local.local_router.replica_ids
+                ray.kill(router, no_restart=False)
+                fresh = lambda: (s := ask("status")) is not None and s["routed"] == 0  # noqa: E731
+                await asyncio.to_thread(wait_until, fresh, 60, "Ray to restart the router")
+                await asyncio.to_thread(wait_until, added_is_up, 60, "the restarted router to route to replica-1")
+                assert all(r.finish_reason == "length" for r in await asyncio.gather(*long))
+                await asyncio.to_thread(
+                    wait_until, lambda: local.local_router.replica_ids == ["replica-0"], 60, "the drained replica to go"
+                )
+
+        asyncio.run(run())
+        status = autoscaler_status()
+        assert status.scale_ups == status.scale_downs == 1, status
+        assert all("restart" in e for e in status.errors), status.errors  # only decisions while the router restarted
+    finally:
+        stop_cluster()
+
+
+def test_ray_serve_autoscaler_grows_the_same_engine_and_its_replica_seconds_are_sampled(ray_local, tmp_path):
+    """The Serve peer sized by Serve's own autoscaler, from a `target_ongoing` policy's
+    parameters: a few seconds of bursty traffic grow it from one replica to two, every request
+    ends with its tokens, and the replicas Serve's controller had are sampled every decision
+    period into the run's scaling rows, which give its replica-seconds by slotserve's rule
+    (the second replica may come up after the last arrival: Serve moves no queued request)."""
+    from cluster.serve_baseline import SERVE_AUTOSCALER, ServeBaseline
+    from cluster.store_actor import StoreActor
+    from experiments.scaling_report import replica_timeline
+    from metrics.store import MetricsStore
+    from workloads import bursty_mix
+
+    autoscale = AutoscaleConfig(
+        policy="target_ongoing",
+        min_replicas=1,
+        max_replicas=2,
+        period_s=0.25,
+        drain_timeout_s=1.0,
+        params={"target_ongoing_requests": 1, "upscale_delay_s": 0.0, "downscale_delay_s": 1.0, "look_back_s": 0.5},
+    )
+    replica = ReplicaConfig(engine=EngineConfig(num_slots=4, max_seq_len=256), fake_step_seconds=0.02)
+    path = tmp_path / "serve.db"
+    store_actor = StoreActor.remote(str(path))
+    baseline = ServeBaseline(replica, 1, "serve_power_of_two", store_actor, num_cpus=0.25, autoscale=autoscale)
+    try:
+        workload = bursty_mix(num_requests=48, rate=8.0, seed=1)
+        config = {"num_replicas": 1}
+        run_id = baseline.run_workload(
+            workload, name="serve-auto", config=config, batching_policy="continuous", vocab_size=1000
+        )
+    finally:
+        baseline.shutdown()
+        ray.kill(store_actor)
+    store = MetricsStore(path)
+    traces = store.traces(run_id)
+    assert len(traces) == 48 and all(t.finish_reason == "length" for t in traces)
+    assert sorted(t.num_output_tokens for t in traces) == sorted(workload.output_lens)
+    rows = store.scaling(run_id)
+    assert rows and {r["policy"] for r in rows} == {SERVE_AUTOSCALER}
+    assert any(r["desired"] > r["current"] for r in rows)  # Serve started a replica
+    timeline = replica_timeline(store, run_id)
+    span = timeline.end - timeline.start
+    assert timeline.peak == 2 and span < timeline.replica_seconds <= 2 * span

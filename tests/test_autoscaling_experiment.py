@@ -16,7 +16,7 @@ from autoscaling.policies import AutoscaleConfig
 from experiments.experiment_report import summarize_runs, write_report
 from experiments.plan import StaticSize, plan_experiment
 from experiments.run import run_experiment
-from experiments.scaling_report import against_static, replica_timeline
+from experiments.scaling_report import against_static, replica_timeline, state_timeline, windows
 from metrics.store import MetricsStore
 from sim.autoscaling import AutoscalingSimulator, offered_load, static_replica_seconds
 from sim.simulator import SimulationConfig, simulate
@@ -151,7 +151,9 @@ def test_a_simulated_autoscaling_experiment_starts_at_min_and_accounts_every_rep
         decisions = store.scaling(runs["predictive"])
         assert [(d["current"], d["desired"]) for d in decisions] == [(d.current, d.desired) for d in scaled.decisions]
         assert scaled.scale_events >= 2  # it grew for the day's peak and shrank after it
-        assert len(store.cold_starts(runs["predictive"])) == sum(s.ready not in (None, 0.0) for s in scaled.spans)
+        assert len(store.cold_starts(runs["predictive"])) == sum(
+            s.ready is not None and s.ready > s.requested for s in scaled.spans
+        )
         timeline = replica_timeline(store, runs["predictive"])
         assert timeline.replica_seconds == pytest.approx(scaled.replica_seconds, rel=0.03)
         assert timeline.peak == scaled.peak_replicas
@@ -175,6 +177,24 @@ def test_a_simulated_autoscaling_experiment_starts_at_min_and_accounts_every_rep
     text = report.read_text()
     assert "## Autoscaling against static provisioning" in text
     assert "| replica-s | good tok/replica-s | scale events |" in text
+    svg = (tmp_path / "report" / "scaling_timeline.svg").read_text()
+    assert "![Scaling timeline](scaling_timeline.svg)" in text and svg.lstrip().startswith("<?xml")
+    assert all(f"{label}: TTFT p90" in svg for label in runs)  # one row of panels per sizing
+
+    # the timeline's figures: the replicas by state add up to those alive, the offered load to the work
+    store = MetricsStore(store_path)
+    try:
+        states = state_timeline(store, runs["predictive"]).points
+        edges = [t for t, *_ in states[1:]] + [timeline.end - timeline.start]
+        by_state = sum((until - since) * sum(n) for (since, *n), until in zip(states, edges))
+        assert by_state == pytest.approx(timeline.replica_seconds) and len(states) < len(alive := timeline.changes)
+        assert max(sum(n) for _, *n in states) == max(n for _, n in alive)
+        times, load, p90 = windows(store, runs["predictive"], one, window_s=5.0)
+        work = sum(one.work_seconds(r.prompt_len, r.output_len) for r in workload.requests)
+        assert sum(load) * 5.0 == pytest.approx(work) and len(p90) == len(times)
+        assert max(v for v in p90 if v is not None) >= min(v for v in p90 if v is not None) > 0
+    finally:
+        store.close()
 
 
 def _slo(plan):
@@ -208,3 +228,37 @@ def test_an_autoscaled_cluster_table_without_a_sweep_runs_every_cell_autoscaled(
         assert store.scaling(result.runs[0][1])  # its decisions are recorded
     finally:
         store.close()
+
+
+def test_ray_serves_cells_are_sized_by_serves_own_rule_or_left_out(tmp_path):
+    """Routed by Ray Serve, a cell sized by `target_ongoing` (Serve's rule) runs on Serve's
+    autoscaler with that policy's bounds, target, delays and look-back; one sized by another
+    policy cannot run and is left out, counted; a static one keeps its size. Simulated, Serve's
+    cells are left out and the target_ongoing cell stands for its autoscaler."""
+    from cluster.serve_baseline import serve_autoscaling_config
+
+    entries = '  { policy = "target_ongoing", target_ongoing_requests = 3, upscale_delay_s = 2 },\n'
+    entries += '  { policy = "predictive" },\n  { static = "peak" },'
+    path = _file(tmp_path, entries)
+    path.write_text(
+        path.read_text().replace('routing = ["least_loaded"]', 'routing = ["least_loaded", "serve_power_of_two"]')
+    )
+    plan = plan_experiment(path, allow_outside_paths=True)
+    serve = [c.scaling for c in plan.cells if c.routing == "serve_power_of_two"]
+    assert serve == ["target_ongoing", "static peak"] and plan.serve_unscalable == 1
+    assert len(plan.cells) == 5
+    config = serve_autoscaling_config(plan.scalings["target_ongoing"])
+    assert config == {
+        "min_replicas": 1,
+        "initial_replicas": 1,
+        "max_replicas": 8,
+        "target_ongoing_requests": 3,
+        "upscale_delay_s": 2,
+        "downscale_delay_s": 600.0,  # Serve's default, which target_ongoing's shares
+        "look_back_period_s": 30.0,
+        "metrics_interval_s": 1.0,
+    }
+    with pytest.raises(ValueError, match="target_ongoing"):
+        serve_autoscaling_config(plan.scalings["predictive"])
+    simulated = plan_experiment(path, simulate=True, allow_outside_paths=True)
+    assert simulated.skipped == 2 and {c.routing for c in simulated.cells} == {"least_loaded"}

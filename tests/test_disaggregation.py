@@ -1,14 +1,20 @@
 """The P/D decider (`router.pd_decider`) and the link that prices a hand-over
 (`protocol.handover.KvLink`): llm-d's threshold on the uncached prompt, and the queue-aware
-rule that disaggregates past it only when the delay it adds is the smaller one."""
+rule that disaggregates past it only when the delay it adds is the smaller one; the hand-over
+time an experiment's table gives each split."""
 
 from __future__ import annotations
 
 import pytest
 
+from experiments.experiment_report import format_summary, summarize_runs
+from experiments.plan import plan_experiment
+from experiments.run import run_experiment
+from metrics.store import MetricsStore
 from protocol.handover import CROSS_NODE, SAME_NODE, KvLink
 from protocol.registry import UnknownChoiceError
 from router.pd_decider import PD_DECIDERS, PdCosts, PdView, QueueAwareDecider, ThresholdDecider
+from tests.test_disaggregation_sim import write
 
 BYTES_PER_TOKEN = 23_040  # the default model's K/V per token in bfloat16
 
@@ -47,3 +53,20 @@ def test_deciders_are_named_choices():
     assert list(PD_DECIDERS) == ["threshold", "queue_aware"]
     with pytest.raises(UnknownChoiceError, match="unknown P/D decider 'x'; choose one of threshold, queue_aware"):
         PD_DECIDERS["x"]
+
+
+def test_the_report_gives_each_split_its_hand_over_time(tmp_path):
+    """A simulated colocated cell and a 1:2 split on the same traffic: the table's hand-over
+    column shows the split's mean link time per hand-over (its K/V over the same-node link,
+    plus the link's latency) and nothing for the colocated cell; a table of colocated cells
+    alone has no such column."""
+    result = run_experiment(
+        plan_experiment(write(tmp_path), simulate=True), simulate=True, store_path=tmp_path / "s.db", progress=False
+    )
+    colocated, split = summarize_runs(result)
+    assert colocated.values["transfer"] == []
+    (seconds,) = split.values["transfer"]
+    store = MetricsStore(tmp_path / "s.db")
+    assert seconds == store.run(result.runs[1][1])["config"]["handover_seconds_mean"] > SAME_NODE.latency_s
+    store.close()
+    assert "hand-over s" in format_summary([colocated, split]) and "hand-over s" not in format_summary([colocated])

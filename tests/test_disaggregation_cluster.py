@@ -3,8 +3,8 @@ first token and hands it over; the client places it on the decode pool, whose re
 the K/V from the prefill replica with a direct actor call, or computes them again when that
 fails (the hand-over expired, the prefill replica gone), so no request is lost. The two-pool
 router and its P/D decider without Ray first; then fake clusters (outputs equal a colocated
-run's, transfers recorded in the store, a killed decode replica loses nothing); then two real
-SmolLM2 replicas (slow)."""
+run's, transfers recorded in the store, a killed decode replica loses nothing, a drained replica
+hands its decoding requests over with their K/V); then two real SmolLM2 replicas (slow)."""
 
 from __future__ import annotations
 
@@ -16,16 +16,19 @@ import ray
 
 from cluster.client import Client
 from cluster.connection import ClusterError
-from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
+from cluster.deploy import ClusterSpec, drain_replica, start_cluster, stop_cluster
 from cluster.driver import run_workload
+from experiments.experiment_report import transfer_seconds
 from metrics.store import MetricsStore
 from protocol.clock import FakeClock
+from protocol.handover import KvLink
 from protocol.messages import LoadReport
 from protocol.routing import RouteRequest
 from replica import EngineConfig
 from replica.model.fake import DEFAULT_KV_BYTES_PER_TOKEN, ScriptedFakeRunner
 from replica.serving.loop import ReplicaConfig
 from router.pd_router import PdPools, PdRouter
+from sim.disaggregation import SimPools
 from tests.waiting import wait_until
 from workloads import bursty_mix
 
@@ -43,7 +46,8 @@ def test_two_pool_router_sends_long_prompts_to_prefill_and_moves_to_decode():
     replica (colocated); a request moved off any replica (handed over, or lost) goes to the
     decode pool only, and with no decode replica up it is refused to wait for one; a new
     request then still goes to the prefill pool. The queue-aware decider keeps a long prompt
-    colocated on an idle decode replica."""
+    colocated on an idle decode replica, and on a busy one when the pools' link (a simulated
+    cluster's `kv_link`) is too slow for its K/V."""
     router = PdRouter(list(ROLES), PdPools(ROLES, "threshold", THRESHOLD), policy="least_loaded", clock=FakeClock())
     for replica_id in ROLES:
         router.report(report(replica_id))
@@ -65,6 +69,12 @@ def test_two_pool_router_sends_long_prompts_to_prefill_and_moves_to_decode():
     for replica_id in ("replica-1", "replica-2"):
         aware.report(report(replica_id, running=8))
     assert aware.route(RouteRequest("busy-decode", 2000, 8)).replica_id == "replica-0"
+    slow_link = KvLink(bandwidth_bytes_per_s=1e7, latency_s=0.01)  # 2000 tokens' K/V take 4.6 s on it
+    pools = SimPools(prefill_replicas=1, decider="queue_aware", threshold=THRESHOLD, link=slow_link)
+    slow = PdRouter(list(ROLES), pools.pd_pools(list(ROLES)))
+    for replica_id in ROLES:
+        slow.report(report(replica_id, running=0 if replica_id == "replica-0" else 8))
+    assert slow.route(RouteRequest("busy-decode", 2000, 8)).replica_id != "replica-0"
 
 
 @pytest.fixture
@@ -112,7 +122,8 @@ def test_disaggregated_outputs_equal_colocated_and_transfers_are_recorded(local_
     the same tokens (the fake's undisturbed sequences); each prompt from the threshold up was
     handed over with its K/V (tokens x the fake's bytes per token, fetched in measured
     seconds), the rest served whole on the decode replica. A driven run records each
-    hand-over's bytes and seconds in the store's migrations table."""
+    hand-over's bytes and seconds in the store's migrations table, which an experiment's table
+    gives as the run's mean hand-over time."""
     ps = prompts(16)
     deployment = start_cluster(ClusterSpec(num_replicas=1, replica=FAKE, store_path=str(local_ray / "c.db")))
     colocated = [r.token_ids for r in serve(ps, 12)]
@@ -157,6 +168,8 @@ def test_disaggregated_outputs_equal_colocated_and_transfers_are_recorded(local_
         assert m["kv_bytes"] == traces[m["request_id"]].prompt_len * DEFAULT_KV_BYTES_PER_TOKEN and m["kv_seconds"] > 0
     per_request = [(m["kv_bytes"], m["kv_seconds"]) for m in moves]
     print(f"\nfake hand-overs (bytes, seconds): {per_request}")
+    # An experiment's table gives the run's mean fetch as its hand-over time.
+    assert transfer_seconds(store, run_id) == pytest.approx(sum(s for _, s in per_request) / len(per_request))
 
 
 def test_expired_hand_overs_are_computed_again(local_ray):
@@ -210,6 +223,74 @@ def test_a_decode_replica_killed_during_hand_overs_loses_no_request(local_ray):
     fetched = [m for r in results for m in r.migrations if m.from_replica == "replica-0" and m.kv_bytes > 0]
     assert fetched
     print(f"\nchaos: {len(lost)} moved off the killed decode replica, {len(fetched)} hand-overs with K/V")
+
+
+DRAINED = ReplicaConfig(engine=EngineConfig(num_slots=8, max_seq_len=512), fake_step_seconds=0.02)
+DRAIN_PROMPTS = [[(5 * i + j) % 1000 for j in range(64 + 8 * i)] for i in range(8)]
+DRAIN_TOKENS = 150
+
+
+def drain_under_load(store_path, move_kv: bool) -> tuple[list, dict[str, int], int]:
+    """The 8 prompts streamed through two mixed replicas (4 each), and replica-0 drained with a
+    0.2 s timeout once its requests decode (none can finish by then): the results, the drain's
+    counts, and the tokens computed again, counted from every step the run recorded (prefill
+    tokens beyond each prompt's once)."""
+    deployment = start_cluster(ClusterSpec(num_replicas=2, replica=DRAINED, store_path=str(store_path)))
+    store, replica = deployment.store, deployment.replicas["replica-0"]
+    run_id = ray.get(store.begin_run.remote("drain", {}, "continuous", "least_loaded", 0))
+    ray.get([a.set_run.remote(run_id) for a in [deployment.router, *deployment.replicas.values()]])
+    client = Client()
+
+    async def drained():
+        runs = [
+            asyncio.ensure_future(client.agenerate(p, max_tokens=DRAIN_TOKENS, ignore_eos=True, timeout=300))
+            for p in DRAIN_PROMPTS
+        ]  # fmt: skip
+        await asyncio.to_thread(
+            wait_until, lambda: ray.get(replica.info.remote()).load.decode_tokens_made >= 40, 120, "replica-0 to decode"
+        )
+        counts = await asyncio.to_thread(drain_replica, deployment, "replica-0", 0.2, move_kv)
+        return counts, await asyncio.gather(*runs)
+
+    try:
+        counts, results = asyncio.run(drained())
+    finally:
+        client.close()
+    ray.get(deployment.replicas["replica-1"].flush.remote())  # replica-0 flushed before it stopped
+    computed = sum(step["num_prefill_tokens"] for step in ray.get(store.steps.remote(run_id)))
+    stop_cluster()
+    return results, counts, computed - sum(map(len, DRAIN_PROMPTS))
+
+
+@pytest.mark.timeout(600)
+def test_a_drain_moves_decoding_requests_kv_instead_of_recomputing(local_ray):
+    """The same traffic drained twice: with K/V moved (the default), every request replica-0 was
+    decoding moves to replica-1 with a hand-over of its K/V (prompt and output but the last
+    token, at the fake's bytes per token), fetched from replica-0 before it stops, so nothing is
+    computed again; with a recompute-drain each moved request computes its prompt and output
+    again. Either way every output is the undisturbed run's."""
+    recomputed = {}
+    for move_kv in (True, False):
+        results, counts, recomputed[move_kv] = drain_under_load(local_ray / f"drain-{move_kv}.db", move_kv)
+        assert all(r.finish_reason == "length" for r in results)
+        assert [r.token_ids for r in results] == expected(DRAIN_PROMPTS, DRAIN_TOKENS)
+        moves = {r.request_id: (p, r.migrations) for p, r in zip(DRAIN_PROMPTS, results) if r.migrations}
+        assert len(moves) == counts["migrated"] == 4 and counts["finished"] == 0
+        assert counts["kv_moved"] == (4 if move_kv else 0)
+        for p, (move,) in moves.values():
+            assert (move.from_replica, move.to_replica) == ("replica-0", "replica-1")
+            if move_kv:
+                assert move.kv_bytes == (len(p) + move.tokens_carried - 1) * DEFAULT_KV_BYTES_PER_TOKEN, move
+                assert 0 < move.kv_seconds < 30 and "computed again" not in move.reason
+            else:
+                assert move.kv_bytes == 0 and move.kv_seconds is None  # no fetch tried
+        if not move_kv:
+            assert recomputed[False] == sum(len(p) + move.tokens_carried for p, (move,) in moves.values())
+            prompts_moved = sum(len(p) for p, _ in moves.values())
+        kv_bytes = sum(move.kv_bytes for _, (move,) in moves.values())
+        print(f"\ndrain moving K/V={move_kv}: {kv_bytes:,d} K/V bytes fetched, {recomputed[move_kv]} tokens recomputed")
+    assert recomputed[True] == 0 < recomputed[False]
+    print(f"a recompute-drain computed again {prompts_moved} prompt tokens (and their outputs); a K/V drain none")
 
 
 @pytest.mark.slow

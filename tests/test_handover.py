@@ -3,20 +3,24 @@ prefill role: chunked, with prefix caching on the paged cache), handed over with
 first token is sampled, and decoded to the end on another (the decode role) makes exactly the
 tokens and text a colocated engine makes: greedy and seeded, slot and paged cache, from one
 layout to the other, with the decode engine full (the hand-over waits with its K/V) or
-preempting (the imported request then recomputes). Real models: local tiny ones here, the
-default model (slow)."""
+preempting (the imported request then recomputes). A drained serving loop hands its decoding
+requests over the same way and keeps them until taken or expired. Real models: local tiny ones
+here, the default model (slow)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from protocol.clock import FakeClock
+from protocol.clock import FakeClock, WallClock
 from protocol.finish import NATURAL_ENDINGS, FinishReason
 from protocol.handover import Handover
 from replica import Engine, EngineConfig, InvalidRequestError
-from replica.model.fake import ScriptedFakeRunner
+from replica.model.fake import FlatCostModel, ScriptedFakeRunner
 from replica.model.loader import load_hf_model
 from replica.model.runner import ModelRunner
+from replica.serving.loop import AsyncEngine
 from tests.test_correctness import make_prompts, preemption_cases
 
 SLOTS = 4
@@ -170,6 +174,67 @@ def test_fake_model_hands_over_tokens_and_prices_the_kv():
     per_token = prefill.runner.kv_bytes_per_token
     assert [(h.kv, h.nbytes) for h in handovers] == [(None, len(p) * per_token) for p in prompts]
     assert decode.kv_transfer.tokens_written == sum(map(len, prompts))
+
+
+def drained(ttl: float) -> tuple[AsyncEngine, dict[str, list], list[int]]:
+    """A serving loop of one slot (the fake model, 2 ms steps on the wall clock, since the test
+    waits on the hand-over's expiry) running request "a" and holding "b" waiting, drained
+    after 0.05 s with K/V moved; the loop, each request's outputs, and a's prompt."""
+    clock = WallClock()
+    engine = Engine(EngineConfig(num_slots=1, max_seq_len=256), ScriptedFakeRunner(clock, FlatCostModel(0.002)), clock)
+    serving = AsyncEngine(engine, handover_ttl=ttl)
+    outs: dict[str, list] = {"a": [], "b": []}
+    prompt = list(range(3, 43))
+
+    async def main():
+        for request_id, p in (("a", prompt), ("b", [9, 8, 7])):
+            await serving.submit(p, {"max_tokens": 200}, request_id, None, outs[request_id].append)
+        assert await serving.drain(0.05) == {"finished": 0, "migrated": 2, "kv_moved": 1}
+
+    asyncio.run(main())
+    return serving, outs, prompt
+
+
+def test_a_drain_hands_decoding_requests_over_and_keeps_them_until_taken():
+    """Drained with `move_kv` (the default), the decoding request leaves with a hand-over of its
+    K/V (every token delivered but the last), the waiting one with its tokens only (it has no
+    K/V to continue from); `handovers_taken` waits until the hand-over is taken, and another
+    engine finishes the request from it with the undisturbed tokens, computing no prompt
+    token. A hand-over nobody takes is given up at its expiry, and the wait ends then."""
+    serving, outs, prompt = drained(ttl=30.0)
+    final_a, final_b = outs["a"][-1], outs["b"][-1]
+    assert final_b.finish_reason is FinishReason.MIGRATE and final_b.handover is None and len(outs["b"]) == 1
+    assert final_a.finish_reason is FinishReason.MIGRATE and "draining" in final_a.error
+    delivered = [t for o in outs["a"] for t in o.new_token_ids]
+    handover = final_a.handover
+    assert delivered and handover.output_token_ids == delivered
+    assert handover.num_kv_tokens == len(prompt) + len(delivered) - 1
+
+    async def take_while_waiting():
+        waiting = asyncio.ensure_future(serving.handovers_taken())
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # kept for the replica the client moves it to
+        taken = serving.take_handover("a")
+        await asyncio.wait_for(waiting, 5)
+        return taken
+
+    assert asyncio.run(take_while_waiting()) is handover
+    clock = FakeClock()
+    receiver = Engine(EngineConfig(num_slots=1, max_seq_len=256), ScriptedFakeRunner(clock), clock)
+    assert receiver.import_request(handover)
+    while receiver.has_unfinished:
+        delivered += [t for o in receiver.step().outputs for t in o.new_token_ids]
+    assert delivered == receiver.runner.continuation(prompt, 200)
+    assert receiver.kv_transfer.tokens_written == handover.num_kv_tokens and receiver.scheduler.num_preemptions == 0
+
+    expiring, _, _ = drained(ttl=0.3)
+
+    async def expire() -> float:
+        start = expiring.clock.now()
+        await asyncio.wait_for(expiring.handovers_taken(), 5)
+        return expiring.clock.now() - start
+
+    assert asyncio.run(expire()) > 0.1 and expiring.take_handover("a") is None
 
 
 @pytest.fixture(scope="module")

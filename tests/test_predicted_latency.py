@@ -91,6 +91,29 @@ def test_prediction_prices_the_queue_and_the_replica_speed():
     assert model.predict_raw(request, busy).ttft == pytest.approx(4 * 0.01 + 800 * 0.0005 + 6 * 0.001)
 
 
+def test_rows_past_their_estimate_keep_their_slots_by_the_lengths_seen():
+    """Every slot of a replica holds a request that has already made more than the 8 tokens
+    expected of it, and the finished outputs seen so far ran to 40 tokens: the new prompt is
+    predicted to wait until the residuals of those (32 more decode steps) free a slot, not to
+    take one on the next step; with no longer output seen, as long again as each has run."""
+    pricing = StepPricing(STEP, 256)
+    request = RouteRequest("new", prompt_len=50, max_tokens=8)
+    waits = []
+    for seen in (40, 8):
+        model = LatencyModel()
+        for i in range(8):
+            model.completed(f"done{i}", output_len=seen)
+        running = {f"q{i}": 8 for i in range(4)}
+        for rid in running:
+            model.scores(RouteRequest(rid, 10, 8), [ReplicaView("a", 0, None, None)], {}, 8.0)
+            model.dispatched(RouteRequest(rid, 10, 8), "a", now=0.0, expected_output=8.0)
+        full = ReplicaView("a", 4, _report("a", 1.0, pricing, running=4, free_slots=0, tokens_made=running), 0.0)
+        waits.append(model.predict_raw(request, full, expected_output=8.0).ttft)
+    step = 0.01 + 4 * 0.001  # four decode rows
+    assert waits[0] == pytest.approx(32 * step + 0.01 + 50 * 0.0005)
+    assert waits[1] == pytest.approx(8 * step + 0.01 + 50 * 0.0005)
+
+
 def test_tpot_filter_prefers_the_replica_that_meets_the_slo():
     """Replica a would give the first token soonest but decodes too slowly for the TPOT SLO,
     so the request goes to b; when no replica meets the SLO, the soonest first token wins."""

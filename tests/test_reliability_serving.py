@@ -182,7 +182,7 @@ def test_drain_finishes_what_fits_and_hands_back_the_rest():
         await settled()
         runner.gate.set()
         counts = await asyncio.wait_for(drained, 60)
-        assert counts == {"finished": 1, "migrated": 1}
+        assert counts == {"finished": 1, "migrated": 1, "kv_moved": 1}
         assert 0.3 <= s.clock.now() < 0.35
         assert (await short)[-1].finish_reason.value == "length"
         long_outs = await long

@@ -26,7 +26,7 @@ from replica.scheduling.request import Request, SamplingParams
 from replica.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 from router.router import Router
 from sim.calibration import ProbeCell, calibrate, grid, measure
-from sim.cost_model import FittedCostModel, StepFeatures
+from sim.cost_model import FittedCostModel, StepFeatures, step_overhead
 from sim.replay import replay
 from sim.simulator import SimulationConfig, Simulator, record_simulation, simulate
 from workloads.standard import bursty_mix, long_prompts, saturated
@@ -201,6 +201,42 @@ def test_steps_cost_what_the_cost_model_says():
             + 0.003 * (r.computed_rows - r.useful_rows)
         )
         assert r.duration == pytest.approx(expected)
+
+
+def test_serving_loop_overhead_is_paid_per_step_and_measured_back():
+    """With `step_overhead` each busy replica starts its next step that long after the last one
+    ended, unscaled by its cost scale, so a run takes longer by it on every step; and
+    `step_overhead`, read off the recorded steps against the cost model, recovers it (the idle
+    waits between arrivals left out)."""
+    cost = FittedCostModel(c0=0.01, c_decode=0.002, c_prefill=0.0005, c_ctx=1e-6, c_held=0.0)
+    workload = bursty_mix(24, rate=40.0)
+    makespans = {}
+    for overhead in (0.0, 0.003):
+        config = SimulationConfig(
+            num_replicas=2, engine=engine_config("chunked"), cost_scales=[1.0, 2.0], step_overhead=overhead
+        )
+        result = simulate(workload, config, cost)
+        makespans[overhead] = max(t.finish_time for t in result.traces)
+        for index, (replica, records) in enumerate(sorted(result.steps.items())):
+            priced = cost.scaled([1.0, 2.0][index])
+            rows = [step_row(replica, r, 4) for r in records]
+            assert step_overhead(rows, priced) == pytest.approx(overhead, abs=1e-9)
+            for step, after in zip(records, records[1:]):
+                assert after.start >= step.start + step.duration + overhead - 1e-9
+    assert makespans[0.003] > makespans[0.0]
+
+
+def test_dispatch_delay_routes_late_and_counts_in_the_ttft():
+    """With `dispatch_delay` each request is routed and queued that long after its planned
+    arrival, and its TTFT, counted from that arrival, is longer by it on idle replicas."""
+    workload = Workload("spread", 0, [WorkloadRequest(float(i), 16, 4) for i in range(4)])
+    ttfts = {}
+    for delay in (0.0, 0.015):
+        config = SimulationConfig(num_replicas=2, engine=engine_config("chunked"), dispatch_delay=delay)
+        result = simulate(workload, config, FlatCostModel(0.02))
+        ttfts[delay] = [t.token_times[0] - t.arrival for t in result.traces]
+        assert [d.time for d in result.decisions] == pytest.approx([i + delay for i in range(4)])
+    assert ttfts[0.015] == pytest.approx([t + 0.015 for t in ttfts[0.0]])
 
 
 def test_recorded_simulation_reads_like_a_cluster_run(tmp_path):

@@ -30,6 +30,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
@@ -110,6 +111,14 @@ class ClusterSection(_Section):
     cost_scale: PositiveFloat = Field(1.0, description="the cost model's step times x this")
     cost_scales: list[PositiveFloat] | None = Field(
         None, description="replicas of different speeds: replica i's step times x cost_scales[i], not cost_scale"
+    )
+    step_overhead: NonNegativeFloat = Field(
+        0.0,
+        description="seconds a simulated replica's serving loop adds to each step, not scaled "
+        "(the cluster's: benchmarks/experiment_fidelity.py measures it); ignored on Ray",
+    )
+    dispatch_delay: NonNegativeFloat = Field(
+        0.0, description="seconds a simulated request takes to reach its replica and its token back; ignored on Ray"
     )
     dtype: defaults.Dtype = defaults.DTYPE
     device: str = "auto"

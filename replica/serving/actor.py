@@ -1,9 +1,8 @@
 """The Ray actor around one replica: a thin shell over `AsyncEngine`.
 
-It streams tokens straight to each client (one Ray streaming generator per client, one
-message per step), tells the router its load and each completion through the handle it is
-given, and pushes step samples to the metrics store in bounded batches. It knows the router
-and the store only as handles: `replica` imports neither package.
+It streams tokens straight to each client (one Ray streaming generator per client, one message
+per step), tells the router its load and each completion through the handle it is given, and
+pushes step samples to the store in bounded batches: it knows both as handles only (`replica` imports neither).
 
 Client streams are bounded, because Ray runs at most 1,000 calls of an async actor at once and
 each open stream holds one: at most `max_subscribers` streams are open (a new one first ends
@@ -12,10 +11,10 @@ flight), a stream with nothing in flight ends after `subscriber_idle_timeout`, a
 that stops reading (its outbox past MAX_OUTBOX step messages) has its requests aborted. A
 client whose stream ended simply opens a new one when it next submits.
 
-Roles (prefill/decode disaggregation, `ReplicaConfig.role`): a prefill replica ends each request
-once its first token is out and keeps its `Handover` until the decode replica the client moves
-it to takes it (`take_handover`, called by that replica's `submit`, which times the fetch and
-falls back to computing the K/V from the tokens carried when it fails).
+Roles (prefill/decode disaggregation, `ReplicaConfig.role`): a prefill replica ends each request once
+its first token is out and keeps its `Handover` (as a drained one keeps its decoding requests')
+until the replica the client moves it to takes it (`take_handover`, called by that replica's
+`submit`, which times the fetch and falls back to computing the K/V from the tokens carried).
 """
 
 from __future__ import annotations
@@ -137,14 +136,15 @@ class ReplicaActor:
         )
 
     def health(self) -> HealthReport:
-        return self.serving.health(
-            subscribers=sum(s.stream > 0 for s in self._subscribers.values()), attached=self.router is not None
-        )
+        subscribers = sum(s.stream > 0 for s in self._subscribers.values())
+        return self.serving.health(subscribers=subscribers, attached=self.router is not None)
 
-    async def drain(self, timeout: float) -> dict[str, int]:
-        """Admit nothing new, let held requests finish within `timeout` seconds, hand the rest
-        back to their clients for migration, and flush step samples. Returns the counts."""
-        counts = await self.serving.drain(timeout)
+    async def drain(self, timeout: float, move_kv: bool = True) -> dict[str, int]:
+        """`AsyncEngine.drain`; with `move_kv`, wait until the hand-overs kept here are taken or
+        expired; flush step samples. The caller stops this replica once it has the counts."""
+        counts = await self.serving.drain(timeout, move_kv)
+        if move_kv:
+            await self.serving.handovers_taken()
         await asyncio.sleep(0.05)  # let the last step messages go out before the caller stops us
         await self.flush()
         return counts
@@ -211,8 +211,8 @@ class ReplicaActor:
         return handover, KvFetch(handover.nbytes, seconds)
 
     def take_handover(self, request_id: str) -> Handover | None:
-        """A request this replica handed over (the prefill role), for the replica that
-        continues it: given once, then dropped here (None when expired or unknown)."""
+        """A request handed over here (prefill role, drain), for the replica that continues it:
+        given once, then dropped here (None when expired or unknown)."""
         return self.serving.take_handover(request_id)
 
     async def events(self, subscriber: str) -> AsyncIterator[list[StreamEvent]]:

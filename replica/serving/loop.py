@@ -11,8 +11,10 @@ What keeps a replica serving when things go wrong: the waiting queue is bounded 
 `max_queue` a submission gets an OverloadedError at once, with a retry-after hint from the
 recent completion rate); `health()` reports a loop that raised or a step that has run longer
 than `stall_timeout`; a loop that raised hands every request it held back for migration
-instead of leaving them hanging; and `drain()` stops admissions, lets what it holds finish
-within a timeout and hands the rest back for migration (finish reason `migrate`).
+instead of leaving them hanging (their K/V are not trusted: the next replica computes them
+again); and `drain()` stops admissions, lets what it holds finish within a timeout and hands
+the rest back for migration (finish reason `migrate`), each decoding one with its K/V, kept
+here for the next replica to fetch, as a prefill replica keeps its hand-overs.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from replica.config import EngineConfig
 from replica.engine import Engine, RequestOutput
 from replica.errors import InvalidRequestError
 from replica.model.fake import FlatCostModel, LinearCostModel, ScriptedFakeRunner
+from replica.scheduling.handover import can_export
 from replica.scheduling.request import SamplingParams
 
 
@@ -142,6 +145,7 @@ class AsyncEngine:
         self.hand_over = hand_over
         self.handover_ttl = handover_ttl
         self._handovers: dict[str, tuple[Handover, float]] = {}  # request id -> hand-over, expiry (clock)
+        self._handover_taken = asyncio.Event()  # set by each take, for a drain waiting on the rest
         self.replica_id = replica_id
         self.max_queue = max_queue
         self.stall_timeout = stall_timeout
@@ -152,7 +156,8 @@ class AsyncEngine:
         self._sinks: dict[str, Callable[[RequestOutput], None]] = {}
         self._wake = asyncio.Event()
         self._drain_deadline: float | None = None  # on the clock; the loop hands back what is left then
-        self._drained, self._handed_back = asyncio.Event(), 0
+        self._drain_moves_kv = False  # and hands the decoding ones over with their K/V
+        self._drained, self._handed_back, self._kv_moved = asyncio.Event(), 0, 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._task: asyncio.Task | None = None
         self._arrivals_done = False
@@ -291,22 +296,44 @@ class AsyncEngine:
             now,
         )
 
-    async def drain(self, timeout: float) -> dict[str, int]:
+    async def drain(self, timeout: float, move_kv: bool = True) -> dict[str, int]:
         """Admit nothing new, let every request held finish within `timeout` seconds, then hand
-        the rest back (finish reason `migrate`) for their clients to continue elsewhere.
-        Returns how many finished and how many were handed back."""
+        the rest back (finish reason `migrate`) for their clients to continue elsewhere. With
+        `move_kv` each decoding one goes as a hand-over with its K/V (`Engine.hand_over`), kept
+        for `take_handover` as a prefill replica keeps its own (see `handovers_taken`), so the
+        next replica computes neither its prompt nor its output again; one waiting or
+        mid-prefill has no K/V to continue from and carries its tokens only. Returns how many
+        finished, how many were handed back, and how many of those with their K/V."""
         self.draining = True
         held = len(self.engine.requests) + self._submitted
         if self._task is None or self._task.done():  # no loop runs: nothing is held, or it failed and handed back
-            return {"finished": 0, "migrated": 0}
-        self._drain_deadline = self.clock.now() + timeout
+            return {"finished": 0, "migrated": 0, "kv_moved": 0}
+        self._drain_deadline, self._drain_moves_kv = self.clock.now() + timeout, move_kv
         self._wake.set()
         try:  # the loop hands back between steps, once all is done or its clock passes the deadline
             await asyncio.wait_for(self._drained.wait(), timeout)
         except TimeoutError:  # an idle loop sees the deadline only when woken
             self._wake.set()
             await self._drained.wait()
-        return {"finished": held - self._handed_back, "migrated": self._handed_back}
+        return {"finished": held - self._handed_back, "migrated": self._handed_back, "kv_moved": self._kv_moved}
+
+    async def handovers_taken(self) -> None:
+        """Return once every hand-over kept here has been taken or has expired: a drained
+        replica stays up until then, since the replicas its requests moved to fetch their K/V
+        from it (a dead one cannot be asked: they compute them again)."""
+        while True:
+            self._expire_handovers()
+            if not self._handovers:
+                return
+            expiry = min(until for _, until in self._handovers.values())
+            self._handover_taken.clear()
+            waits = {
+                asyncio.ensure_future(self._handover_taken.wait()),
+                asyncio.ensure_future(self.clock.asleep(expiry - self.clock.now())),
+            }
+            _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for waiting in pending:
+                waiting.cancel()
 
     def _drain_due(self) -> bool:
         """Draining, not yet handed back, and nothing left or past the deadline."""
@@ -314,25 +341,30 @@ class AsyncEngine:
             return False
         return not (self.engine.has_unfinished or self._inbox) or self.clock.now() >= self._drain_deadline
 
-    def _hand_back(self, reason: str) -> None:
-        """End every request held with finish reason `migrate` (aborted here, to be resumed
-        by its client on another replica); submissions not yet applied are refused. Counted in
-        `_handed_back` for a drain waiting on `_drained`."""
+    def _hand_back(self, reason: str, move_kv: bool = False) -> None:
+        """End every request held with finish reason `migrate`, to be resumed by its client on
+        another replica: with `move_kv` a decoding one is handed over with its K/V, any other
+        aborted here; submissions not yet applied are refused. Counted in `_handed_back` (and
+        `_kv_moved`) for a drain waiting on `_drained`."""
         inbox, self._inbox = self._inbox, []
         for item in inbox:
             if isinstance(item, Submission) and not item.accepted.done():
                 item.accepted.set_exception(DrainingError(self.replica_id, detail=reason))
-        count = 0
-        for request_id in list(self.engine.requests):
+        count = kv_moved = 0
+        for request_id, request in list(self.engine.requests.items()):
             try:
-                final = self.engine.abort(request_id)
+                if move_kv and can_export(request):
+                    final = self.engine.hand_over(request_id)
+                else:
+                    final = self.engine.abort(request_id)
             except Exception:  # noqa: BLE001 - a broken engine must not keep the others from moving
                 final = RequestOutput(request_id, [], "", True, FinishReason.ABORT, self.clock.now())
                 self.engine.requests.pop(request_id, None)
             if final is not None:
                 count += 1
+                kv_moved += final.handover is not None
                 self._deliver(replace(final, finish_reason=FinishReason.MIGRATE, error=f"{self.replica_id}: {reason}"))
-        self._handed_back = count
+        self._handed_back, self._kv_moved = count, kv_moved
         self._drained.set()
 
     def _apply_inbox(self) -> None:
@@ -377,11 +409,12 @@ class AsyncEngine:
         computes the K/V again)."""
         self._expire_handovers()
         handover, _ = self._handovers.pop(request_id, (None, 0.0))
+        self._handover_taken.set()
         return handover
 
     def _expire_handovers(self) -> None:
         now = self.clock.now()
-        for request_id in [r for r, (_, expiry) in self._handovers.items() if expiry < now]:
+        for request_id in [r for r, (_, expiry) in self._handovers.items() if expiry <= now]:
             del self._handovers[request_id]
 
     @property
@@ -416,7 +449,7 @@ class AsyncEngine:
         while True:
             self._apply_inbox()
             if self._drain_due():
-                self._hand_back("replica draining")
+                self._hand_back("replica draining", self._drain_moves_kv)
             if not self.engine.has_unfinished:
                 self._on_load(self.load())
                 self._wake.clear()
