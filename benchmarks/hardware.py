@@ -455,11 +455,14 @@ def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], ar
         "`benchmarks/step_profile.py` splits one engine step, per dtype and step size (decode at B = 1, 8, 64; a "
         "prefill of four 64-token prompts), into matrix products, attention, the per-layer C++ kernels, the rest of "
         "the forward pass, step metadata, sampling, the scheduler and the engine's bookkeeping (wrappers around "
-        "each, summed per step), and counts the torch operators and Python calls a step makes (a "
-        "`TorchDispatchMode`, `sys.setprofile`), which do not move with a neighbour's load as times do; it also "
-        "names the oneDNN implementation every matrix product took (oneDNN's verbose log for one step). Run: "
-        "`.venv/bin/python benchmarks/step_profile.py [--dtypes float32 bfloat16] [--batches 1 8 64] "
-        "[--json PATH]`.",
+        "each, summed per step, the wrappers' own cost taken off: `peers/step_parts.py`), and counts the torch "
+        "operators and Python calls a step makes (a `TorchDispatchMode`, `sys.setprofile`), which do not move "
+        "with a neighbour's load as times do; it also names the oneDNN implementation every matrix product took "
+        "(oneDNN's verbose log for one step). Host time is the step less its matrix products and attention. "
+        "`slotserve bench` prints the same host figures from the same measurement, for its decode steps "
+        "(`--decode-batches`, default 1 8 64) and one such prefill step, per dtype (a `host overhead per step` "
+        "block; `host_overhead` in its JSON). Run: `.venv/bin/python -m benchmarks.step_profile [--dtypes "
+        "float32 bfloat16] [--batches 1 8 64] [--json PATH]`.",
         "",
         "## What each optimisation bought",
         "",

@@ -4,14 +4,16 @@ and the Python around it (scheduler, step metadata, sampling, the engine's bookk
 many torch operators and Python calls a step makes, which do not depend on what else the machine
 runs, so they compare across runs on a shared machine where times do not.
 
-    .venv/bin/python benchmarks/step_profile.py [--dtypes float32 bfloat16] [--batches 1 8 64]
+    .venv/bin/python -m benchmarks.step_profile [--dtypes float32 bfloat16] [--batches 1 8 64]
         [--prefill 4] [--steps 8] [--reps 3] [--json PATH]
 
 Step sizes: decode steps at each batch (B requests with 64-token prompts, prefilled first), and
 one prefill step of `--prefill` 64-token prompts (4: one `chunked` token budget of 256 tokens).
 Times: each part's seconds summed by wrappers around the engine's phases and the forward pass's
-calls (`Linear`, the attention functions, the fused kernels), per step; the median over `--reps`
-runs of `--steps` steps each. "Host" is the step less its matrix products and attention. Each
+calls (`Linear`, the attention functions, the fused kernels), per step, the wrappers' own cost
+taken off (`peers/step_parts.py`, the measurement `slotserve bench` prints its host shares
+from); the median over `--reps` runs of `--steps` steps each. "Host" is the step less its
+matrix products and attention. Each
 case also runs one step with oneDNN's verbose log on, to name the implementation every matrix
 product took (`brg_matmul:avx512_core_bf16` is oneDNN's AVX-512 BF16 path).
 
@@ -29,7 +31,6 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -37,56 +38,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.hardware import PROMPT_LEN, decode_engine, drain
+from peers.step_parts import PARTS, Parts, measure, wrapped, wrapper_seconds
 from replica.config import EngineConfig
 from replica.engine import Engine
-from replica.kernels import fused_ops
 from replica.kernels.cpu import cpu_info
-from replica.model import decoder
-from replica.model.linear import Linear
 from replica.model.runner import ModelRunner
 
 MODEL = "smollm2-135m"
-# The step's parts, in the order printed. Forward-pass parts nest inside "forward"; what is left
-# of it ("forward, other") is the embedding, the final norm's gather and the loop's own Python.
-FORWARD_PARTS = ("matrix products", "attention", "C++ kernels")
-PARTS = (*FORWARD_PARTS, "forward, other", "metadata", "sampling", "scheduler", "engine")
-
-
-class Parts:
-    """Seconds and torch operators per part of a step, gathered by wrapping the callables that
-    make up a step (see `wrapped`); nested parts are subtracted from their parent when read."""
-
-    def __init__(self) -> None:
-        self.seconds: collections.Counter[str] = collections.Counter()
-        self.ops: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-        self.stack = ["engine"]
-
-    def wrap(self, part: str, fn: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            self.stack.append(part)
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[part] += time.perf_counter() - t
-                self.stack.pop()
-
-        return timed
-
-    def step_seconds(self, steps: int) -> dict[str, float]:
-        """Per step, each part exclusive of the parts nested in it."""
-        s = self.seconds
-        forward_other = s["forward"] - sum(s[p] for p in FORWARD_PARTS)
-        metadata = s["execute"] - s["forward"] - s["sampling"]
-        engine = s["step"] - s["execute"] - s["scheduler"]
-        flat = {p: s[p] for p in FORWARD_PARTS} | {
-            "forward, other": forward_other,
-            "metadata": metadata,
-            "sampling": s["sampling"],
-            "scheduler": s["scheduler"],
-            "engine": engine,
-        }
-        return {p: v / steps for p, v in flat.items()} | {"step": s["step"] / steps}
 
 
 class OpCounter(TorchDispatchMode):
@@ -99,35 +57,6 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.parts.ops[self.parts.stack[-1]][str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def wrapped(engine: Engine, parts: Parts) -> Iterator[Callable[[], None]]:
-    """Wraps the step's phases on this engine and the forward pass's calls (module-wide, undone
-    on exit); yields the wrapped step."""
-    runner = engine.runner
-    patches = [
-        (engine.scheduler, "schedule", "scheduler"),
-        (engine.scheduler, "advance", "scheduler"),
-        (runner, "execute", "execute"),
-        (runner.model, "forward", "forward"),
-        (runner.sampler, "sample", "sampling"),
-        (Linear, "__call__", "matrix products"),
-        (decoder, "slot_attention", "attention"),
-        (decoder, "paged_attention", "attention"),
-        *((fused_ops, name, "C++ kernels") for name in ("rope_write", "silu_mul", "rms_norm")),
-    ]
-    saved = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in patches]
-    for obj, name, part in patches:
-        setattr(obj, name, parts.wrap(part, getattr(obj, name)))
-    try:
-        yield parts.wrap("step", engine.step)
-    finally:
-        for obj, name, old in saved:
-            if old is None:
-                delattr(obj, name)  # an instance's bound method: the class's shows through again
-            else:
-                setattr(obj, name, old)
 
 
 @contextlib.contextmanager
@@ -198,15 +127,8 @@ def profile_case(runner: ModelRunner, case: tuple[str, int], steps: int, reps: i
     step, and the oneDNN products of one step."""
     total_steps = (reps + 1) * steps + 4
     engines = case_engines(runner, case, total_steps)
-    runs = []
-    for rep in range(reps + 1):  # the first run warms up
-        parts = Parts()
-        for _ in range(steps):
-            engine = next(engines)
-            with wrapped(engine, parts) as step:
-                step()
-        if rep:
-            runs.append(parts.step_seconds(steps))
+    wrapper_s = wrapper_seconds()
+    runs = [measure(engines, steps, wrapper_s) for _ in range(reps + 1)][1:]  # the first run warms up
     counted = Parts()
     engine = next(engines)
     with wrapped(engine, counted) as step, OpCounter(counted):
@@ -214,13 +136,13 @@ def profile_case(runner: ModelRunner, case: tuple[str, int], steps: int, reps: i
     calls = python_calls(next(engines).step)
     products = onednn_products(next(engines).step)
     drain(engine)
-    times = {p: statistics.median(r[p] for r in runs) for p in (*PARTS, "step")}
+    times = {p: statistics.median(r[p] for r in runs) for p in (*PARTS, "step", "host")}
     return {
         "case": f"{case[0]} {'B=' if case[0] == 'decode' else ''}{case[1]}"
         + ("" if case[0] == "decode" else f"x{PROMPT_LEN}"),
         "rows": case[1] if case[0] == "decode" else case[1] * PROMPT_LEN,
         "seconds": times,
-        "host_seconds": times["step"] - times["matrix products"] - times["attention"],
+        "host_seconds": times["host"],
         "torch_ops": sum(sum(c.values()) for c in counted.ops.values()),
         "torch_ops_by_part": {p: sum(c.values()) for p, c in counted.ops.items()},
         "top_ops": collections.Counter(op for c in counted.ops.values() for op in c.elements()).most_common(8),

@@ -39,8 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--decode-batches",
         type=int,
         nargs="*",
-        default=[8, 16, 32, 64],
-        help="batch sizes of the decode-step comparison (none: skip it)",
+        default=[1, 8, 64],
+        help="batch sizes of the decode-step comparison, each dtype, with its host-overhead share "
+        "(none: skip it and the prefill step)",
     )
     b.add_argument(
         "--no-peers", dest="peers", action="store_false", help="skip transformers' generate() and continuous batching"

@@ -85,6 +85,8 @@ def bench(path: Path) -> str:
             extra.append(f"{r['ratio_to_hf_decode']:.2f}x transformers' step")
         if r.get("pct_of_roofline") is not None:
             extra.append(f"{r['pct_of_roofline']:.0f}% of roofline")
+        if r.get("host_share") is not None:
+            extra.append(f"host {r['host_share']:.0%}")
         if r.get("tag"):
             extra.append(f"({r['tag']} pair)")
         peak = f"{r['peak_mem_mb']:.0f}" if not r["error"] else ""
@@ -108,6 +110,22 @@ def bench(path: Path) -> str:
         peer_best = data.get(f"best_{peer}")
         against = f" ({peer_best['setting']}: {peer_best['useful_tokens_per_s']:.1f} tok/s)" if peer_best else ""
         summary.append(f"slotserve's best / {peer}'s best{against}: **{ratio:.2f}x**")
+    for key, name in (("best_lossless", "best lossless"), ("best_int8", "best with int8 copies")):
+        if b := data.get(key):
+            ratios = "".join(
+                f", **{b[f'ratio_to_{p}']:.2f}x** {label}"
+                for p, label in (("vllm_best", "vLLM's best"), ("vllm_float32", "vLLM's fp32"))
+                if f"ratio_to_{p}" in b
+            )
+            summary.append(
+                f"{name}: {b['policy']}, {b['slots']} slots, {b['setting']}: "
+                f"{b['useful_tokens_per_s']:.1f} tok/s{ratios}"
+            )
+    for h in data.get("host_overhead", []):
+        summary.append(
+            f"host overhead, {h['dtype']} {h['step']} step of {h['rows']} tokens: {h['host_ms']:.2f} of "
+            f"{h['step_ms']:.2f} ms ({h['host_share']:.0%}) outside matrix products and attention"
+        )
     d1 = data.get("decode1")
     if d1:
         summary.append(

@@ -19,7 +19,15 @@ Systems, each in a fresh process (so its peak memory is its own):
 - single-stream decode (one request alone, batch 1): tokens/s of slotserve, vLLM and
   transformers, each from two generation lengths (prefill and call overhead cancel);
 - one decode step of slotserve and of the plain transformers model ("just call the model",
-  DynamicCache) at the same batch sizes, against the compute roofline.
+  DynamicCache) at the same batch sizes and dtypes, against the compute roofline, and one
+  prefill step of slotserve (four 64-token prompts, one `chunked` token budget) per dtype;
+  for each of slotserve's steps on a CPU, where its time goes (`peers.step_parts`, the measurement
+  `benchmarks/step_profile.py` prints in full): the host share is the step's time outside
+  matrix products and attention.
+
+Summaries: slotserve's best overall; its best lossless setting (no int8 copies, at the dtype
+of vLLM's best: outputs are its own run's at that dtype, as vLLM's are) apart from its best
+with int8 copies, each against vLLM's best and vLLM's best fp32.
 
 Ratios are within this one run: the machine is noisy, absolute times across runs are not
 comparable. Greedy agreement: for each slotserve setting, the share of requests whose tokens
@@ -29,11 +37,13 @@ equal the fp32 run's at the same policy and slots (and vLLM's against slotserve'
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing
 import resource
 import statistics
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,6 +62,9 @@ MAX_SEQ_LEN = 64 + 256  # saturated: prompts up to 64 tokens, outputs up to 256
 STATIC_BATCH = 8
 DECODE_PROMPT_LEN = 64
 DECODE_STEPS = 12
+PROFILE_STEPS = 6  # decode steps after the timed ones, measured by part (`peers.step_parts`)
+PREFILL_PROMPTS = 4  # the prefill step: one `chunked` token budget (256) of 64-token prompts
+PREFILL_REPS = 5
 # Single-stream decode: one 64-token prompt generated to both lengths; tokens/s = 96 / dt.
 DECODE1_LENS = (32, 128)
 DECODE1_REPEATS = 3
@@ -59,7 +72,8 @@ DECODE1_REPEATS = 3
 
 @dataclass
 class BenchRow:
-    system: str  # slotserve | vllm | hf-static | hf-continuous | decode1 | slotserve-decode | hf-decode
+    # slotserve | vllm | hf-static | hf-continuous | decode1 | slotserve-decode | hf-decode | slotserve-prefill
+    system: str
     policy: str  # policy or settings, in words
     slots: int  # slots, batch size, or max requests in flight
     useful_tokens_per_s: float
@@ -70,6 +84,7 @@ class BenchRow:
     weights: str = ""  # "int8<=N": weight-only int8 for steps of at most N rows
     engine: str = ""  # decode1: which system (slotserve, vllm, transformers)
     outputs: list[list[int]] = field(default_factory=list)  # greedy token ids, for the agreement
+    parts: dict[str, float] = field(default_factory=dict)  # slotserve's steps: seconds per step by part, "host"
     error: str = ""
 
     @property
@@ -81,7 +96,7 @@ class BenchRow:
 class Job:
     """One row's work (two for vLLM), run in a fresh process."""
 
-    kind: str  # engine | vllm | hf-static | hf-continuous | decode | decode1
+    kind: str  # engine | vllm | hf-static | hf-continuous | decode | decode1 | prefill
     model: str
     dtype: str
     device: str
@@ -287,7 +302,9 @@ def _decode_step(job: Job) -> list[BenchRow]:
     """Median time of a pure decode step at batch `slots` (64-token prompts, context 64-76)."""
     import torch
 
-    times = []
+    from peers import step_parts
+
+    times, parts = [], {}
     if job.hf:
         from transformers import DynamicCache
 
@@ -302,16 +319,51 @@ def _decode_step(job: Job) -> list[BenchRow]:
                 _sync(device)
                 times.append(time.perf_counter() - t)
     else:
-        engine = _engine(job, job.slots, DECODE_PROMPT_LEN + DECODE_STEPS + 2, "mixed")
+        steps = DECODE_STEPS + PROFILE_STEPS
+        engine = _engine(job, job.slots, DECODE_PROMPT_LEN + steps + 2, "mixed")
         device, dtype = engine.runner.device, engine.runner.dtype
         for i in range(job.slots):
-            engine.add_request(_decode_prompt(i), {"max_tokens": DECODE_STEPS + 1, "ignore_eos": True})
+            engine.add_request(_decode_prompt(i), {"max_tokens": steps + 1, "ignore_eos": True})
         engine.step()  # the prefill
         for _ in range(DECODE_STEPS):
             times.append(engine.step().record.duration)  # the step ends with its sampled tokens on the host
+        if device == "cpu":  # on a GPU the wrappers would time kernel launches, not the kernels
+            parts = step_parts.measure(itertools.repeat(engine), PROFILE_STEPS, step_parts.wrapper_seconds())
     step = statistics.median(times[2:])
     system = "hf-decode" if job.hf else "slotserve-decode"
-    return [BenchRow(system, "decode step", job.slots, job.slots / step, _peak_mem_mb(device), step, job.slots, dtype)]
+    row = BenchRow(system, "decode step", job.slots, job.slots / step, _peak_mem_mb(device), step, job.slots, dtype)
+    row.parts = parts
+    return [row]
+
+
+def _prefill_step(job: Job) -> list[BenchRow]:
+    """Median time of a step prefilling `PREFILL_PROMPTS` 64-token prompts (a fresh engine on one
+    runner each time, its first step), then as many such steps measured by part."""
+    from peers import step_parts
+    from replica.engine import Engine
+
+    first = _engine(job, PREFILL_PROMPTS, DECODE_PROMPT_LEN + 2, "mixed")
+
+    def engines() -> Iterator:
+        engine = first
+        while True:
+            for i in range(PREFILL_PROMPTS):
+                engine.add_request(_decode_prompt(i), {"max_tokens": 1, "ignore_eos": True})
+            yield engine
+            engine = Engine(first.config, runner=first.runner)
+
+    fresh = engines()
+    next(fresh).step()  # warm-up
+    times = [next(fresh).step().record.duration for _ in range(PREFILL_REPS)]
+    on_cpu = first.runner.device == "cpu"  # as for the decode step
+    parts = step_parts.measure(fresh, PREFILL_REPS, step_parts.wrapper_seconds()) if on_cpu else {}
+    step, tokens = statistics.median(times), PREFILL_PROMPTS * DECODE_PROMPT_LEN
+    described = f"prefill step, {PREFILL_PROMPTS} prompts of {DECODE_PROMPT_LEN} tokens"
+    row = BenchRow(
+        "slotserve-prefill", described, PREFILL_PROMPTS, tokens / step, _peak_mem_mb(first.runner.device), step, tokens
+    )
+    row.dtype, row.parts = first.runner.dtype, parts
+    return [row]
 
 
 RUNS = {
@@ -321,6 +373,7 @@ RUNS = {
     "hf-continuous": _hf_continuous,
     "decode": _decode_step,
     "decode1": _decode1,
+    "prefill": _prefill_step,
 }
 
 
@@ -372,11 +425,10 @@ def plan(args: argparse.Namespace) -> list[Job]:
             for c in HF_CB_GRID
         ]
         jobs += [Job("decode1", dtype=d, hf=True, **common) for d in args.dtypes]
-    for s in args.decode_batches:
-        jobs += [
-            Job("decode", dtype="auto", slots=s, **common),
-            Job("decode", dtype="auto", slots=s, hf=True, **common),
-        ]
+    for d in args.dtypes if args.decode_batches else ():
+        for s in args.decode_batches:
+            jobs += [Job("decode", dtype=d, slots=s, **common), Job("decode", dtype=d, slots=s, hf=True, **common)]
+        jobs += [Job("prefill", dtype=d, **common)]
     return jobs
 
 
@@ -405,7 +457,9 @@ def run(args: argparse.Namespace) -> dict:
             try:
                 rows += pool.submit(run_job, job).result()
             except Exception as err:  # noqa: BLE001 - reported in the row, the other rows still run
-                system = {"engine": "slotserve", "decode": "slotserve-decode"}.get(job.kind, job.kind)
+                system = {"engine": "slotserve", "prefill": "slotserve-prefill"}.get(job.kind, job.kind)
+                if job.kind == "decode":
+                    system = "hf-decode" if job.hf else "slotserve-decode"
                 described = job.policy or job.binding or " ".join(f"{k}={v}" for k, v in job.cb_settings)
                 failed = BenchRow(system, described, job.slots, 0.0, 0.0, dtype=job.dtype, weights=_weights(job))
                 failed.error = f"{type(err).__name__}: {err}"[:300]
@@ -484,8 +538,17 @@ def summarize(rows: list[BenchRow], args: argparse.Namespace, roof) -> dict:
     for r in rows:
         d = asdict(r)
         d.pop("outputs")
+        if r.parts:
+            d["host_share"] = r.parts["host"] / r.parts["step"]
         if r.system == "slotserve-decode":
-            peer = next((p for p in rows if p.system == "hf-decode" and p.slots == r.slots and not p.error), None)
+            peer = next(
+                (
+                    p
+                    for p in rows
+                    if p.system == "hf-decode" and (p.slots, p.dtype) == (r.slots, r.dtype) and not p.error
+                ),
+                None,
+            )
             d["ratio_to_hf_decode"] = r.useful_tokens_per_s / peer.useful_tokens_per_s if peer else None
             if on_cpu:
                 d["pct_of_roofline"] = 100 * r.useful_tokens_per_s / roof.compute_tokens_per_s(params, r.dtype)
@@ -505,6 +568,20 @@ def summarize(rows: list[BenchRow], args: argparse.Namespace, roof) -> dict:
                     "setting": f"{p.variant}, {p.policy}",
                     "useful_tokens_per_s": p.useful_tokens_per_s,
                 }
+    result |= lossless_and_int8(rows)
+    result["host_overhead"] = [
+        {
+            "dtype": r.dtype,
+            "step": "prefill" if r.system == "slotserve-prefill" else "decode",
+            "rows": r.useful_tokens,
+            "step_ms": 1e3 * r.parts["step"],
+            "host_ms": 1e3 * r.parts["host"],
+            "host_share": r.parts["host"] / r.parts["step"],
+            "parts_ms": {k: 1e3 * v for k, v in r.parts.items() if k not in ("step", "host")},
+        }
+        for r in rows
+        if r.parts and not r.error
+    ]
     single = _best(rows, "decode1", "slotserve")
     if single is not None:
         result["decode1"] = {"slotserve": single.useful_tokens_per_s, "slotserve_setting": single.variant}
@@ -519,6 +596,37 @@ def summarize(rows: list[BenchRow], args: argparse.Namespace, roof) -> dict:
             )
     result["greedy_agreement_vs_fp32"] = agreement(rows)
     return result
+
+
+def lossless_and_int8(rows: list[BenchRow]) -> dict:
+    """slotserve's best lossless setting (no int8 copies, at the dtype of vLLM's best, or any
+    dtype without vLLM) and its best with int8 copies, each with its ratios to vLLM's best and to
+    vLLM's best fp32: the int8 copies change outputs, so they are never what the lossless
+    comparison counts."""
+    vllm, vllm_fp32 = _best(rows, "vllm"), _best([r for r in rows if r.dtype == "float32"], "vllm")
+    slotserve = [r for r in rows if r.system == "slotserve"]
+    lossless = [r for r in slotserve if not r.weights and (vllm is None or r.dtype == vllm.dtype)]
+    out = {}
+    for key, found in (
+        ("best_lossless", _best(lossless, "slotserve")),
+        ("best_int8", _best([r for r in slotserve if r.weights], "slotserve")),
+    ):
+        if found is None:
+            continue
+        out[key] = {
+            "policy": found.policy,
+            "slots": found.slots,
+            "setting": found.variant,
+            "useful_tokens_per_s": found.useful_tokens_per_s,
+        }
+        for name, peer in (("vllm_best", vllm), ("vllm_float32", vllm_fp32)):
+            if peer is not None:
+                out[key][f"ratio_to_{name}"] = found.useful_tokens_per_s / peer.useful_tokens_per_s
+                out[key][name] = {
+                    "setting": f"{peer.variant}, {peer.policy}",
+                    "useful_tokens_per_s": peer.useful_tokens_per_s,
+                }
+    return out
 
 
 def _params_per_token(model: str) -> int:
@@ -556,7 +664,13 @@ def format_bench(result: dict) -> str:
         note = ""
         if r["system"] == "slotserve-decode":
             ratio, pct = r.get("ratio_to_hf_decode"), r.get("pct_of_roofline")
-            note = (f"{ratio:.2f}x hf decode" if ratio else "") + (f", {pct:.0f}% of roofline" if pct else "")
+            note = ", ".join(
+                ([f"{ratio:.2f}x hf decode"] if ratio else [])
+                + ([f"{pct:.0f}% of roofline"] if pct else [])
+                + ([f"host {r['host_share']:.0%}"] if "host_share" in r else [])
+            )
+        elif "host_share" in r:
+            note = f"host {r['host_share']:.0%}"
         if r["error"]:
             note = f"FAILED: {r['error']}"
         system = f"decode1:{r['engine']}" if r["system"] == "decode1" else r["system"]
@@ -577,6 +691,28 @@ def format_bench(result: dict) -> str:
                     f"  {result[f'ratio_to_{peer}']:.2f}x {peer} best ({p['setting'][:60]}: "
                     f"{p['useful_tokens_per_s']:.1f} tok/s)" + (f"  target >= {target}x" if target else "")
                 )
+    for key, name in (("best_lossless", "best lossless"), ("best_int8", "best with int8 copies")):
+        if key in result:
+            b = result[key]
+            lines.append(
+                f"{name} ({b['policy']}, {b['slots']} slots, {b['setting']}): {b['useful_tokens_per_s']:.1f} tok/s"
+                + "".join(
+                    f"; {b[f'ratio_to_{peer}']:.2f}x {label} ({b[peer]['setting'][:40]}: "
+                    f"{b[peer]['useful_tokens_per_s']:.1f})"
+                    for peer, label in (("vllm_best", "vLLM's best"), ("vllm_float32", "vLLM's fp32"))
+                    if f"ratio_to_{peer}" in b
+                )
+                + ("  target >= 1.2x" if key == "best_lossless" else "")
+            )
+    if result.get("host_overhead"):
+        lines.append("host overhead per step (time outside matrix products and attention, `peers.step_parts`):")
+        for h in result["host_overhead"]:
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(h["parts_ms"].items(), key=lambda kv: -kv[1]))
+            size = f"decode B={h['rows']}" if h["step"] == "decode" else f"prefill {h['rows']} tokens"
+            lines.append(
+                f"  {h['dtype']:>8} {size:>19}: step {h['step_ms']:8.2f} ms, host {h['host_ms']:7.2f} ms "
+                f"({h['host_share']:.0%}); ms by part: {parts}"
+            )
     if "decode1" in result:
         d = result["decode1"]
         lines.append(

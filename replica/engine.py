@@ -111,6 +111,9 @@ class Engine:
         self._ids = itertools.count()
         self._steps = itertools.count()
         self._held: dict[str, int] = {}  # chars at the end of a request's text not streamed yet
+        # Per request, the incremental detokenizer's (prefix, read) offsets into its output tokens
+        # (`_detokenize_delta`); a request without one is decoded in full once.
+        self._windows: dict[str, tuple[int, int]] = {}
         block_size = self.config.block_size if self.config.kv_cache == "paged" else 0
         self.kv_transfer = KvTransfer(cache, block_size, getattr(runner, "kv_bytes_per_token", 0))
 
@@ -340,14 +343,26 @@ class Engine:
         return RequestOutput(request.request_id, [token], new_text, False, None, now)
 
     def _detokenize_delta(self, request: Request) -> str:
+        """The text the newest token adds, appended to `request.text`. As vLLM's incremental
+        detokenizer: only the tokens from the prefix offset on are decoded, and the text of those
+        before the read offset (already emitted) is cut off the front, so a step costs the same
+        at any output length (decoding the whole output each step is quadratic in its length).
+        The prefix tokens give the decoder its context: a leading space a tokenizer strips at the
+        start of what it decodes, a character whose bytes span tokens. Nothing is emitted while
+        the decode ends in a partial UTF-8 character (U+FFFD); the window grows until the next
+        token completes it. A request's first token here (fresh, or resumed with the text another
+        replica delivered) is decoded against `request.text` from the first output token."""
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        # Hold back a trailing partial UTF-8 character until the next token completes it.
-        if text.endswith("\ufffd"):
+        ids = request.output_token_ids
+        prefix, read = self._windows.get(request.request_id, (0, 0))
+        text = self.tokenizer.decode(ids[prefix:], skip_special_tokens=True)
+        before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=True) if read else request.text
+        if len(text) <= len(before) or text.endswith("\ufffd"):
             return ""
-        delta = text[len(request.text) :] if text.startswith(request.text) else text
-        request.text = text
+        delta = text[len(before) :]
+        request.text += delta
+        self._windows[request.request_id] = (read, len(ids))
         return delta
 
     def _finish(
@@ -357,6 +372,7 @@ class Engine:
         request.error = error
         self.runner.release(request.request_id)
         self._held.pop(request.request_id, None)
+        self._windows.pop(request.request_id, None)
         self.kv_transfer.pending.pop(request.request_id, None)
         del self.requests[request.request_id]
         return RequestOutput(

@@ -7,6 +7,8 @@ real model against fp32 on a few prompts."""
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
 import shutil
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from peers.engine_speed import BenchRow, agreement
+from peers.engine_speed import BenchRow, agreement, format_bench, lossless_and_int8, summarize
 from peers.vllm_cpu import VllmSettings, environment
 from replica.config import EngineConfig, resolve_dtype
 from replica.kernels.cpu import parse_cpuinfo
@@ -232,6 +234,50 @@ def test_greedy_agreement_counts_identical_requests():
     assert [(a["system"], a["identical"], a["requests"]) for a in rows] == [("slotserve", 2, 3), ("vllm", 3, 3)]
 
 
+def test_bench_keeps_the_lossless_best_apart_from_int8_and_prints_host_shares():
+    """The lossless best is the fastest setting without int8 copies at the dtype of vLLM's best
+    (neither a faster int8 run nor a faster run at another dtype counts), the best with int8 is
+    kept apart, each with its ratios to vLLM's best and to vLLM's fp32; every step measured by
+    part prints its host share (the step less its matrix products and attention)."""
+    from peers.roofline import Roofline
+
+    parts = {"matrix products": 6e-3, "attention": 2e-3, "forward, other": 1.5e-3, "sampling": 0.5e-3}
+    rows = [
+        BenchRow("slotserve", "chunked", 64, 500.0, 0.0, dtype="bfloat16"),
+        BenchRow("slotserve", "chunked", 64, 600.0, 0.0, dtype="bfloat16", weights="int8<=16"),
+        BenchRow("slotserve", "chunked", 32, 550.0, 0.0, dtype="float32"),
+        BenchRow("vllm", "bind all", 64, 400.0, 0.0, dtype="bfloat16"),
+        BenchRow("vllm", "bind all", 64, 250.0, 0.0, dtype="float32"),
+        BenchRow(
+            "slotserve-decode",
+            "decode step",
+            1,
+            100.0,
+            0.0,
+            0.01,
+            1,
+            "bfloat16",
+            parts=parts | {"step": 0.01, "host": 0.002},
+        ),
+    ]
+    best = lossless_and_int8(rows)
+    assert (best["best_lossless"]["setting"], best["best_lossless"]["slots"]) == ("bfloat16", 64)
+    assert best["best_lossless"]["ratio_to_vllm_best"] == 500 / 400
+    assert best["best_lossless"]["ratio_to_vllm_float32"] == 500 / 250
+    assert best["best_int8"]["setting"] == "bfloat16+int8<=16" and best["best_int8"]["ratio_to_vllm_best"] == 600 / 400
+    roof = Roofline("AMD EPYC", "avx2 fma avx512_bf16", 2, 200e9, 900e9, 25e9, 30e9)
+    args = argparse.Namespace(model="gpt2-small-random", device="cpu", requests=48)
+    result = summarize(rows, args, roof)
+    assert result["best_lossless"] == best["best_lossless"] and result["best_slotserve"]["useful_tokens_per_s"] == 600
+    [host] = result["host_overhead"]
+    assert (host["dtype"], host["rows"], host["host_share"]) == ("bfloat16", 1, 0.2)
+    text = format_bench(result)
+    assert "best lossless (chunked, 64 slots, bfloat16): 500.0 tok/s; 1.25x vLLM's best" in text
+    assert "2.00x vLLM's fp32" in text and "best with int8 copies (chunked, 64 slots, bfloat16+int8<=16)" in text
+    assert "decode B=1: step    10.00 ms, host    2.00 ms (20%)" in text
+    assert "CPU: AMD EPYC; flags: avx2 fma avx512_bf16" in text
+
+
 def test_vllm_environment_binds_threads_and_drops_ours(monkeypatch):
     """auto keeps vLLM's default; all binds every core; our OMP settings do not leak into vLLM."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -291,3 +337,25 @@ def test_roofs_keep_the_higher_of_two_probes():
     best = start.best(end)
     assert (best.fp32_flops, best.bf16_flops, best.copy_bytes_per_s, best.read_bytes_per_s) == (176e9, 1e9, 30e9, 27e9)
     assert best.compute_tokens_per_s(134_500_000, "float32") == 176e9 / (2 * 134_500_000)
+
+
+def test_step_parts_add_up_to_the_step_and_leave_nothing_wrapped(tiny_qwen2_dir):
+    """A decode step measured by part: the parts (each exclusive of those nested in it) add up
+    to the step, host is the step less its matrix products and attention, the matrix products
+    were seen, and after the measurement every wrapped callable is the original again."""
+    from peers import step_parts
+    from replica.engine import Engine
+    from replica.kernels import fused_ops
+    from replica.model import decoder
+
+    engine = Engine(EngineConfig(model=tiny_qwen2_dir, dtype="float32", policy="mixed", num_slots=2))
+    for i in range(2):
+        engine.add_request([5 + i, 6, 7, 8], {"max_tokens": 6, "ignore_eos": True})
+    engine.step()  # the prefill
+    originals = (Linear.__call__, decoder.slot_attention, fused_ops.rms_norm, engine.runner.execute)
+    parts = step_parts.measure(itertools.repeat(engine), 3, step_parts.wrapper_seconds())
+    assert (Linear.__call__, decoder.slot_attention, fused_ops.rms_norm, engine.runner.execute) == originals
+    assert "execute" not in engine.runner.__dict__ and "forward" not in engine.runner.model.__dict__
+    assert parts["matrix products"] > 0 and parts["step"] > 0
+    assert sum(parts[p] for p in step_parts.PARTS) == pytest.approx(parts["step"], rel=1e-9)
+    assert parts["host"] == pytest.approx(parts["step"] - parts["matrix products"] - parts["attention"])

@@ -24,6 +24,25 @@ _MATRICES = ("qkv", "o", "gate_up", "up", "down", "lm_head")
 
 
 @dataclass(frozen=True)
+class Norm:
+    weight: torch.Tensor
+    bias: torch.Tensor | None  # GPT-2's LayerNorm; None for RMSNorm
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer's matrices and norms, gathered once: the forward pass reads them as fields, not
+    by name (a name built and looked up per matrix, per layer, per step, is host time)."""
+
+    attn_norm: Norm
+    qkv: Linear
+    o: Linear
+    mlp_norm: Norm
+    up: Linear  # gate and up fused (LLaMA), or up alone (GPT-2)
+    down: Linear
+
+
+@dataclass(frozen=True)
 class ModelShape:
     family: str  # "llama" (also Qwen2) or "gpt2"
     vocab_size: int
@@ -103,6 +122,8 @@ class Decoder:
             k: Linear(state[k], state.get(k + "_bias"), pack_weights, int8_rows, measure_int8) for k in matrices
         }
         self.w = {k: v for k, v in state.items() if k not in matrices}
+        self.layers = [self._layer(f"layers.{i}") for i in range(shape.num_layers)]
+        self.final_norm = self._norm_weights("final_norm")
         device = state["embed"].device
         # RMSNorm, RoPE with the cache write, and SiLU-times-up as C++ kernels where they are built (CPU)
         self.fused_ops = fused_ops and fused_kernels.available(device)
@@ -137,15 +158,29 @@ class Decoder:
         state = {k: v.to(device, dtype).contiguous() for k, v in state.items()}
         return cls(shape, state, pack_weights, int8_rows, fused_ops, decode_kernel, measure_int8)
 
+    def _norm_weights(self, prefix: str) -> Norm:
+        return Norm(self.w[prefix + ".weight"], self.w.get(prefix + ".bias"))
+
+    def _layer(self, p: str) -> Layer:
+        up = self.linear[p + (".up" if self.shape.family == "gpt2" else ".gate_up")]
+        linear = self.linear
+        mlp_norm = self._norm_weights(p + ".mlp_norm")
+        return Layer(
+            self._norm_weights(p + ".attn_norm"),
+            linear[p + ".qkv"],
+            linear[p + ".o"],
+            mlp_norm,
+            up,
+            linear[p + ".down"],
+        )
+
     # ---- the forward pass ---------------------------------------------------------------
-    def _norm(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
-        if self.shape.family == "gpt2":
-            return F.layer_norm(
-                x, (x.shape[-1],), self.w[prefix + ".weight"], self.w[prefix + ".bias"], self.shape.norm_eps
-            )
+    def _norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
+        if norm.bias is not None:  # GPT-2
+            return F.layer_norm(x, (x.shape[-1],), norm.weight, norm.bias, self.shape.norm_eps)
         if self.fused_ops:
-            return fused_kernels.rms_norm(x, self.w[prefix + ".weight"], self.shape.norm_eps)
-        return F.rms_norm(x, (x.shape[-1],), self.w[prefix + ".weight"], self.shape.norm_eps)
+            return fused_kernels.rms_norm(x, norm.weight, self.shape.norm_eps)
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, self.shape.norm_eps)
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -190,7 +225,7 @@ class Decoder:
         cache: SlotKVCache | PagedKVCache,
         logit_rows: torch.Tensor,  # rows of the flat batch whose next-token logits are wanted
     ) -> torch.Tensor:
-        s, w, linear = self.shape, self.w, self.linear
+        s, w = self.shape, self.w
         x = w["embed"][input_ids]
         if s.family == "gpt2":
             x = x + w["pos_embed"][positions]
@@ -206,26 +241,25 @@ class Decoder:
         # One attention output for every layer: each writes all its rows, and the o-projection has
         # read them before the next layer's attention writes again.
         attn = x.new_empty(x.shape[0], s.num_heads * s.head_dim)
-        for i in range(s.num_layers):
-            p = f"layers.{i}"
-            h = linear[p + ".qkv"](self._norm(x, p + ".attn_norm"))
+        for i, layer in enumerate(self.layers):
+            h = layer.qkv(self._norm(x, layer.attn_norm))
             q = self._rope_and_write(i, h, positions, rope, cache, rows, cols)
             if paged:  # read via block tables
                 paged_attention(q, cache.k[i], cache.v[i], meta, self.decode_kernel, attn)
             else:
                 slot_attention(q, cache.k[i], cache.v[i], meta, self.decode_kernel, attn)
-            x = linear[p + ".o"](attn, residual=x)
-            h = self._norm(x, p + ".mlp_norm")
+            x = layer.o(attn, residual=x)
+            h = self._norm(x, layer.mlp_norm)
             if s.family == "gpt2":
-                h = F.gelu(linear[p + ".up"](h), approximate="tanh")
+                h = F.gelu(layer.up(h), approximate="tanh")
             elif self.fused_ops:
-                h = fused_kernels.silu_mul(linear[p + ".gate_up"](h))
+                h = fused_kernels.silu_mul(layer.up(h))
             else:
-                gate, up = linear[p + ".gate_up"](h).chunk(2, dim=-1)
+                gate, up = layer.up(h).chunk(2, dim=-1)
                 h = F.silu(gate) * up
-            x = linear[p + ".down"](h, residual=x)
-        x = self._norm(x[logit_rows], "final_norm")
-        return linear["lm_head"](x).float()
+            x = layer.down(h, residual=x)
+        x = self._norm(x[logit_rows], self.final_norm)
+        return self.linear["lm_head"](x).float()
 
 
 def _llama_state(sd: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
