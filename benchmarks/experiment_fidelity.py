@@ -10,9 +10,10 @@ then the Spearman rank correlation of each metric across the cells both sides ra
 ranks for ties; target for TTFT p90: at least 0.9), and the median relative error for
 information.
 
-With `--file` (the experiment file, whose cost model its fake replicas paid) it also prints
-what the cluster spent outside its steps, the figures the file's `[cluster] step_overhead` and
-`dispatch_delay` give the simulator (`overheads`).
+With `--file` (the experiment file, whose cost model its fake replicas paid, one cost_scale for
+all) it also prints what the cluster spent outside its steps, the figures the file's `[cluster]
+step_overhead` and `dispatch_delay` give the simulator (`overheads`; a loop that spends
+`sim.cost_model.MAX_LOOP_GAP` or more between steps reads as idle and is not measured).
 
     .venv/bin/python -m benchmarks.experiment_fidelity --cluster results/kv-pressure-cluster.db \\
         --sim results/kv-pressure-sim.db [--experiment kv-pressure] [--file FILE.toml] [--json PATH]
@@ -31,6 +32,7 @@ from benchmarks.fidelity import spearman
 from metrics.definitions import SLO
 from metrics.goodput_report import analyze
 from metrics.store import MetricsStore
+from protocol.cost import LinearCostModel, StepFeatures
 from sim.cost_model import MAX_LOOP_GAP, step_overhead
 
 KEY = ("routing", "load", "batching", "slots", "token_budget", "workload")  # a cell without its seed
@@ -65,15 +67,26 @@ def overheads(path: Path, experiment: str, file: Path) -> dict[str, float | None
     `[cluster]` keys take it: `step_overhead` (the serving loop's seconds per step beyond the
     price `file`'s cost model puts on it; over slotserve's replicas, and apart over Ray Serve's)
     and `dispatch_delay` (slotserve's: the median, over requests that found their replica idle,
-    from arrival to the start of the step that made their first token, plus the median from any
-    such step's end to the client's receipt of that token)."""
+    from arrival to the start of the step that made their first token, plus the median from
+    such a step's start, past its price, to the client's receipt of that token). A simulated
+    replica stamps a step's tokens at its priced end and `step_overhead` delays only its next
+    step, so the loop's time before a token is out delays the token through `dispatch_delay`
+    alone, and the next step through `step_overhead` alone, as on the cluster.
+
+    Both read a step as followed at once by the next when the gap between them is under
+    `MAX_LOOP_GAP` (else the replica waited for an arrival), so a loop that spends that long
+    or more between two steps is not measured (those pairs read as idle). `file` must price
+    every replica alike: with `cost_scales` there is no one price to read the steps against."""
     from cluster.serve_baseline import SERVE_ROUTERS
     from experiments.plan import plan_experiment
 
-    cost = plan_experiment(file, simulate=True).cost
+    plan = plan_experiment(file, simulate=True)
+    if plan.experiment.cluster.cost_scales is not None:
+        raise SystemExit(f"--file {file}: cost_scales prices each replica apart; give a file with one cost_scale")
+    cost = plan.cost
     store = MetricsStore(path)
     steps: dict[str, list[dict]] = {"slotserve": [], "serve": []}
-    to_replica, back = [], []
+    to_replica, after_start = [], []
     try:
         for run in store.runs():
             if (run["config"] or {}).get("experiment") != experiment or not run["complete"]:
@@ -81,30 +94,34 @@ def overheads(path: Path, experiment: str, file: Path) -> dict[str, float | None
             rows = store.steps(run["run_id"])
             steps["serve" if run["routing_policy"] in SERVE_ROUTERS else "slotserve"] += rows
             if run["routing_policy"] not in SERVE_ROUTERS:
-                _request_path(store.traces(run["run_id"]), rows, to_replica, back)
+                _request_path(store.traces(run["run_id"]), rows, cost, to_replica, after_start)
     finally:
         store.close()
     found = {f"step_overhead ({side})": step_overhead(rows, cost) for side, rows in steps.items()}
-    found["dispatch_delay"] = statistics.median(to_replica) + statistics.median(back) if to_replica else None
+    found["dispatch_delay"] = statistics.median(to_replica) + statistics.median(after_start) if to_replica else None
     return found
 
 
-def _request_path(traces: list, steps: list[dict], to_replica: list[float], back: list[float]) -> None:
-    """Add each request's way to an idle replica and its first token's way back (see `overheads`)."""
-    by_replica: dict[str, list[tuple[float, float]]] = {}
+def _request_path(
+    traces: list, steps: list[dict], cost: LinearCostModel, to_replica: list[float], after_start: list[float]
+) -> None:
+    """Add each request's way to an idle replica, and the time from the start of the step that
+    made its first token to the client's receipt of it less the step's price (see `overheads`)."""
+    by_replica: dict[str, list[tuple[float, float, float]]] = {}
     for row in steps:
-        by_replica.setdefault(row["replica_id"], []).append((row["start"] + row["duration"], row["start"]))
+        price = cost.predict(StepFeatures.of_row(row))
+        by_replica.setdefault(row["replica_id"], []).append((row["start"] + row["duration"], row["start"], price))
     for rows in by_replica.values():
         rows.sort()
     for trace in traces:
         rows = by_replica.get(trace.replica)
         if not trace.token_times or not rows:
             continue
-        i = bisect.bisect_right(rows, (trace.token_times[0], math.inf)) - 1
+        i = bisect.bisect_right(rows, (trace.token_times[0], math.inf, math.inf)) - 1
         if i < 1:
             continue
-        (end, start), (before, _) = rows[i], rows[i - 1]
-        back.append(trace.token_times[0] - end)
+        (_, start, price), (before, *_) = rows[i], rows[i - 1]
+        after_start.append(trace.token_times[0] - start - price)
         if before < trace.arrival and start - before > MAX_LOOP_GAP:  # the replica was idle when it came
             to_replica.append(start - trace.arrival)
 

@@ -27,7 +27,8 @@ def autoscaler_lines(autoscaler: AutoscalerStatus | None) -> list[str]:
     lines = [
         f"autoscaling: {autoscaler.policy} [{autoscaler.min_replicas}, {autoscaler.max_replicas}]  "
         f"decisions: {autoscaler.decisions}  up: {autoscaler.scale_ups}  down: {autoscaler.scale_downs}  "
-        f"drained requests finished/moved: {autoscaler.drained_finished}/{autoscaler.drained_moved}"
+        f"drained requests finished/moved: {autoscaler.drained_finished}/{autoscaler.drained_moved} "
+        f"({autoscaler.drained_kv_moved} with their K/V)"
     ]
     last = autoscaler.last_decision
     if last is not None:

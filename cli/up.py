@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     if spec.prefill_replicas:
         print(
             f"  {spec.prefill_replicas} prefill and {spec.decode_replicas} decode replicas; "
-            f"P/D decider {spec.pd_decider} (threshold {spec.pd_threshold} uncached prompt tokens)",
+            f"P/D decider {spec.pd_decider} (threshold {spec.pd_threshold} uncached prompt tokens, "
+            f"K/V priced at {spec.kv_link.bandwidth_bytes_per_s:.3g} B/s + {spec.kv_link.latency_s:g} s)",
             flush=True,
         )
     start_cluster(spec, detached=True)
@@ -89,10 +90,11 @@ def autoscaled(spec, args: argparse.Namespace):
 
 def disaggregated(spec, args: argparse.Namespace):
     """The spec with prefill and decode pools (--prefill-replicas P --decode-replicas D: P + D
-    replicas in all, in place of --replicas)."""
+    replicas in all, in place of --replicas), the decider pricing hand-overs on --kv-link."""
     from pydantic import ValidationError
 
     from cluster.deploy import ClusterSpec
+    from sim.disaggregation import KV_LINKS
 
     pools = {"prefill_replicas": args.prefill_replicas, "decode_replicas": args.decode_replicas}
     try:
@@ -103,6 +105,7 @@ def disaggregated(spec, args: argparse.Namespace):
                 "num_replicas": max(1, sum(pools.values())),
                 "pd_decider": args.pd_decider,
                 "pd_threshold": args.pd_threshold,
+                "kv_link": KV_LINKS[args.kv_link],
             }
         )
     except ValidationError as err:
@@ -173,6 +176,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def disaggregation_args(p: argparse.ArgumentParser) -> None:
     from cluster.deploy import ClusterSpec
     from router.pd_decider import PD_DECIDERS
+    from sim.disaggregation import KV_LINKS
 
     fields = ClusterSpec.model_fields
     d = p.add_argument_group("prefill/decode disaggregation (the cluster has P + D replicas, in place of --replicas)")
@@ -190,6 +194,14 @@ def disaggregation_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=fields["pd_threshold"].default,
         help="uncached prompt tokens from which a request is disaggregated",
+    )
+    d.add_argument(
+        "--kv-link",
+        choices=list(KV_LINKS),
+        default="same_node",
+        metavar="LINK",
+        help=f"{', '.join(KV_LINKS)}: the link the queue_aware decider prices a hand-over's K/V on "
+        "(as an experiment's kv_link)",
     )
 
 

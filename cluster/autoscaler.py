@@ -116,7 +116,7 @@ class AutoscalerActor:
         self._replicas: dict[str, _Replica] = {}
         self._last: ScalingDecision | None = None
         self._decisions = self._ups = self._downs = 0
-        self._drained_finished = self._drained_moved = 0  # requests of drained replicas
+        self._drained_finished = self._drained_moved = self._drained_kv_moved = 0  # requests of drained replicas
         self._cold_starts: list[ColdStart] = []
         self._errors: deque[str] = deque(maxlen=MAX_ERRORS)
         # on their way to the store, sent with the next decision made inside a run
@@ -147,6 +147,7 @@ class AutoscalerActor:
                 cold_starts=list(self._cold_starts),
                 drained_finished=self._drained_finished,
                 drained_moved=self._drained_moved,
+                drained_kv_moved=self._drained_kv_moved,
                 errors=list(self._errors),
             )
 
@@ -273,6 +274,7 @@ class AutoscalerActor:
                 for done in counts.values():
                     self._drained_finished += done.get("finished", 0)
                     self._drained_moved += done.get("migrated", 0)
+                    self._drained_kv_moved += done.get("kv_moved", 0)
             ray.get(self._router.remove_replica.remote(replica.replica_id), timeout=60)
         except Exception as err:  # noqa: BLE001 - reported; the replica is gone from this table either way
             self._error(f"{replica.replica_id} drain: {type(err).__name__}: {str(err)[:200]}")
@@ -290,7 +292,9 @@ class AutoscalerActor:
 def _warm_up(handle: ActorHandle, replica_id: str, timeout: float) -> None:
     """One one-token request straight to the replica, before it knows the router: its first
     step (kernels built, caches allocated) is paid here, not by a user's request. Its id marks
-    it a probe's, so live metrics count it apart from any run."""
+    it a probe's, so live metrics count it apart from any run. It runs as the only request to
+    come, then the replica is given back a fresh one's word (more may come) before the router
+    hears of it: the router passes on the driver's word, when it has one."""
     handle.set_arrivals_done.remote(True)  # before the submission: one caller's calls arrive in order
     stream = handle.events.remote(WARMUP_SUBSCRIBER)
     request_id = f"{PROBE_REQUEST_PREFIX}warmup-{replica_id}"
@@ -302,9 +306,10 @@ def _warm_up(handle: ActorHandle, replica_id: str, timeout: float) -> None:
             if ended:
                 if ended[0].error:
                     raise ClusterError(f"warm-up request failed: {ended[0].error}")
-                return
+                break
     finally:
         handle.close_events.remote(WARMUP_SUBSCRIBER)
+    ray.get(handle.set_arrivals_done.remote(False), timeout=timeout)
 
 
 def autoscaler_status(timeout: float = 10.0) -> AutoscalerStatus | None:

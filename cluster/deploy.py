@@ -44,7 +44,7 @@ from metrics.store import DEFAULT_STORE
 from protocol import defaults
 from protocol.replicas import ReplicaInfo, Unreachable
 from replica.serving.actor import ReplicaActor
-from replica.serving.loop import ReplicaConfig
+from replica.serving.loop import DRAIN_HANDOVER_WAIT, ReplicaConfig
 from router.actor import ROUTER_ACTOR_NAME, RouterActor
 from router.policies import ROUTING_POLICIES
 from workloads.capacity import Capacity
@@ -358,8 +358,16 @@ def drain_replica(
     finished, how many moved, and how many of those with their K/V."""
     counts = drain_replicas(deployment.router, {replica_id: deployment.replicas[replica_id]}, timeout, move_kv)
     if replica_id not in counts:
-        raise ClusterError(f"{replica_id} did not answer its drain within {timeout + 60:g} s; it was stopped")
+        raise ClusterError(
+            f"{replica_id} did not answer its drain within {drain_deadline(timeout, move_kv):g} s; it was stopped"
+        )
     return counts[replica_id]
+
+
+def drain_deadline(timeout: float, move_kv: bool) -> float:
+    """Seconds `drain_replicas` waits for a replica's drain: its `timeout`, the wait for its
+    hand-overs to be taken (with `move_kv`), and a minute for the calls and the flush."""
+    return timeout + (DRAIN_HANDOVER_WAIT if move_kv else 0.0) + 60.0
 
 
 def drain_replicas(
@@ -370,16 +378,17 @@ def drain_replicas(
     their clients to continue on other replicas; then they stop. With `move_kv` a decoding
     request moves with its K/V, fetched by the replica it moves to instead of computing its
     prompt and output again, and its replica stops only once they are taken or expired
-    (`ReplicaConfig.handover_ttl`); else every moved request computes them again. Returns each
-    replica's counts of finished, moved and K/V-moved requests (a dead replica, with nothing to
-    drain, is left out)."""
+    (`ReplicaConfig.handover_ttl`, DRAIN_HANDOVER_WAIT at most); else every moved request
+    computes them again. Returns each replica's counts of finished, moved and K/V-moved
+    requests (a dead replica, with nothing to drain, or one that did not answer within the
+    longest a drain takes plus a minute, is left out)."""
     if router is not None:
         try:
             ray.get([router.start_drain.remote(replica_id) for replica_id in replicas], timeout=60)
         except (ray.exceptions.RayError, ValueError):
             pass  # no router to tell (or not one that knows these replicas)
     refs = {replica_id: handle.drain.remote(timeout, move_kv) for replica_id, handle in replicas.items()}
-    ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout + 60)
+    ray.wait(list(refs.values()), num_returns=len(refs), timeout=drain_deadline(timeout, move_kv))
     counts = {}
     for replica_id, ref in refs.items():
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from protocol.handover import SAME_NODE, KvLink
 from replica.model.fake import DEFAULT_KV_BYTES_PER_TOKEN
 from router.pd_decider import PD_DECIDERS
 from router.pd_router import PdPools
@@ -26,6 +27,11 @@ class PoolsSpec(BaseModel):
     pd_decider: str = Field("threshold", description="P/D decider: which requests are disaggregated")
     pd_threshold: int = Field(
         256, ge=0, description="uncached prompt tokens from which the P/D decider disaggregates a request"
+    )
+    kv_link: KvLink = Field(
+        SAME_NODE,
+        description="the link the queue-aware P/D decider prices a hand-over's K/V on (an experiment's "
+        "`kv_link`, so its simulation and its Ray cluster decide alike; `slotserve up --kv-link`)",
     )
 
     @field_validator("pd_decider")
@@ -46,7 +52,7 @@ class PoolsSpec(BaseModel):
             return None
         roles = {f"replica-{i}": self.role(i) for i in range(self.prefill_replicas + self.decode_replicas)}
         # A fake's K/V are priced at the default model's per-token size, and so is a real model's.
-        return PdPools(roles, self.pd_decider, self.pd_threshold, DEFAULT_KV_BYTES_PER_TOKEN)
+        return PdPools(roles, self.pd_decider, self.pd_threshold, DEFAULT_KV_BYTES_PER_TOKEN, self.kv_link)
 
     @model_validator(mode="after")
     def _pools_fit(self) -> PoolsSpec:

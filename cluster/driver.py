@@ -9,18 +9,22 @@ only when every request has ended and the replicas and router have flushed: a ru
 
 The replicas are the router's at each moment, not the deployment's at the start: an autoscaled
 cluster adds and drains them during the run. Whether more requests may come goes to the router,
-which passes it to every replica it holds and to each it adds later."""
+which passes it to every replica it holds and to each it adds later (sent again while Ray
+restarts the router; a router restarted after hearing it passes nothing to replicas added then,
+which keep a fresh replica's word: more may come)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 
 import ray
 from tqdm import tqdm
 
-from cluster.client import Client, Result
+from cluster.client import ROUTER_RETRY_SECONDS, Client, Result
+from cluster.connection import ACTOR_GONE
 from cluster.deploy import Deployment
 from cluster.pacing import send_on_schedule
 from metrics.recording import request_row
@@ -28,6 +32,8 @@ from protocol.errors import OverloadedError, SlotServeError
 from workloads.workload import Workload, WorkloadRequest, request_prompt
 
 REQUEST_BATCH = 32  # request rows per store write
+
+logger = logging.getLogger(__name__)
 
 
 async def _replay(
@@ -63,7 +69,18 @@ async def _replay(
             await flush()
 
     async def tell_router(arrivals_done: bool) -> None:
-        await router.set_arrivals_done.remote(arrivals_done)
+        """The word sent again while Ray restarts the router (it is restartable), for as long as
+        a client's call would be; never raised out of the schedule, which has requests running."""
+        deadline = time.monotonic() + ROUTER_RETRY_SECONDS
+        while True:
+            try:
+                await router.set_arrivals_done.remote(arrivals_done)
+                return
+            except ACTOR_GONE as err:
+                if time.monotonic() > deadline:
+                    logger.warning("the router did not hear arrivals_done=%s: %s", arrivals_done, err)
+                    return
+            await asyncio.sleep(0.5)
 
     try:
         await send_on_schedule(workload, send, tell_router)

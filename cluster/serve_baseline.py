@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import warnings
 from collections.abc import AsyncIterator
@@ -56,6 +57,8 @@ from protocol.records import StepRecord
 from protocol.scaling import ScalingDecision
 from replica.serving.loop import AsyncEngine, ReplicaConfig, build_engine
 from workloads.workload import Workload, WorkloadRequest, request_prompt
+
+logger = logging.getLogger(__name__)
 
 APP_NAME = "slotserve-serve-baseline"
 _PREFIX_ROUTER = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
@@ -279,11 +282,17 @@ def _replica_counts() -> dict[str, int]:
 
 async def _sample_replicas(period: float, changes: list[ScalingDecision]) -> None:
     """Every `period` seconds until cancelled: Serve's replica counts, appended to `changes` as a
-    `ScalingDecision` whenever they differ from the last sample (see the module docstring)."""
+    `ScalingDecision` whenever they differ from the last sample (see the module docstring). A
+    sample that fails (the controller busy or restarting) is logged and skipped: the timeline
+    loses one point, the run none of its requests."""
     last: dict[str, int] | None = None
     while True:
-        counts = await asyncio.to_thread(_replica_counts)
-        if counts != last:
+        try:
+            counts = await asyncio.to_thread(_replica_counts)
+        except Exception:  # noqa: BLE001 - any failed read is one missing sample
+            logger.warning("reading Ray Serve's replica counts failed; sample skipped", exc_info=True)
+            counts = last
+        if counts is not None and counts != last:
             before = counts if last is None else last
             reason = f"Ray Serve's controller: {counts['serving']} running, {counts['starting']} starting, "
             reason += f"{counts['draining']} stopping"

@@ -18,7 +18,7 @@ from cluster.connection import actor_gone, unwrap
 from metrics.definitions import RequestTrace
 from protocol import defaults
 from protocol.finish import FinishReason
-from protocol.handover import KvFetch
+from protocol.handover import PREFILL_HANDOVER, KvFetch
 from protocol.messages import MigrationRecord, StreamEvent
 from protocol.replicas import Resume
 from protocol.routing import RouteRequest
@@ -246,7 +246,7 @@ class ReplicaFeed:
                 with self.lock:
                     self.flights.pop(event.request_id, None)
                     if event.finish_reason == FinishReason.MIGRATE:  # handed back: it goes on elsewhere
-                        why = event.error or ("handed over with its K/V" if event.handed_over else why)
+                        why = event.error or (PREFILL_HANDOVER if event.handed_over else why)
                         flight.handover_from = self._replica_id if event.handed_over else None
                         if flight.placing:
                             flight.handed_back = True  # its placer moves it

@@ -42,6 +42,7 @@ from metrics.definitions import SLO
 from metrics.live import PROBE_REQUEST_PREFIX
 from metrics.store import MetricsStore
 from protocol import defaults
+from protocol.handover import SAME_NODE
 from replica.errors import ConfigError
 from router.policies import DEFAULT_POLICY
 from workloads.capacity import PREFILL_PROBE_ROUNDS, PROBE_MAX_TOKENS, Capacity, prefill_probe_len, probe_capacity
@@ -271,6 +272,7 @@ class RayBackend:
                 decode_replicas=replicas - prefill if prefill else 0,
                 pd_decider=c.pd_decider,
                 pd_threshold=c.pd_threshold,
+                kv_link=SAME_NODE if pools is None else pools.link,
             )
             self.deployment = start_cluster(spec)
             self.deployed = None if autoscale is not None else wanted  # an autoscaled one changes size

@@ -24,6 +24,7 @@ from experiments.scaling_report import SCALING_METRICS, against_static, plot_sca
 from metrics.definitions import SLO
 from metrics.goodput_report import analyze
 from metrics.store import MetricsStore
+from protocol.handover import PREFILL_HANDOVER
 from workloads.prefixes import best_prefix_hit_rate
 
 # key, header, value from analyze()'s cluster scope (with the run-wide prefix hit rate, imbalance, regret), format
@@ -58,11 +59,16 @@ def transfer_seconds(store: MetricsStore, run_id: int) -> float | None:
     """A run's mean hand-over time, from its prefill replicas' K/V to the decode replicas (None:
     none was handed over). A simulated run states its link's price per hand-over in its config
     (`sim.disaggregation.transfer_summary`); a cluster's run measured each fetch (the store's
-    migrations, `kv_seconds`)."""
+    migrations, `kv_seconds`, of those a prefill replica handed over: a drained replica's
+    moves with their K/V are not prefill-to-decode transfers)."""
     config = store.run(run_id)["config"] or {}
     if "handovers" in config:
         return config["handover_seconds_mean"] if config["handovers"] else None
-    fetches = [m["kv_seconds"] for m in store.migrations(run_id) if m["kv_seconds"] is not None]
+    fetches = [
+        m["kv_seconds"]
+        for m in store.migrations(run_id)
+        if m["kv_seconds"] is not None and (m["reason"] or "").startswith(PREFILL_HANDOVER)
+    ]
     return sum(fetches) / len(fetches) if fetches else None
 
 

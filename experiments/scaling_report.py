@@ -10,7 +10,6 @@ load, replicas by state, TTFT p90 per window, an SVG beside the report)."""
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from autoscaling.policies import AutoscaleConfig
 from cluster.serve_baseline import SERVE_POLICY, SERVE_ROUTERS
 from experiments.plan import AXES, Cell
 from experiments.run import ExperimentResult
+from metrics.definitions import percentiles
 from metrics.store import MetricsStore
 from workloads.capacity import Capacity
 
@@ -64,28 +64,10 @@ class ReplicaTimeline:
 
 
 def replica_timeline(store: MetricsStore, run_id: int) -> ReplicaTimeline:
-    """From the run's first planned arrival (on the run's clock: virtual in the simulator, the
-    wall clock on Ray) to its last step or completion: `num_replicas` of its config to begin with, then after each
-    scaling decision the replicas it found alive plus those it started (a replica it drains
-    stays alive until the next decision sees it gone). Decisions sample the cluster every
-    decision period, so a start or an end counts to within one period. A run on Ray Serve's
-    autoscaler has the same rows, sampled from Serve's controller every decision period
-    (`cluster.serve_baseline`), read by the same rule: the replicas starting, serving or
-    draining, and those wanted beyond the ones starting or serving."""
-    run, requests, steps = store.run(run_id), store.requests(run_id), store.steps(run_id)
-    planned = [r["planned_arrival"] if r["planned_arrival"] is not None else r["arrival"] for r in requests]
-    start = min((t for t in planned if t is not None), default=0.0)
-    ends = [r["completion"] for r in requests if r["completion"] is not None]
-    end = max([start, *ends, *(s["start"] + s["duration"] for s in steps)])
-    initial = (run["config"] or {}).get("num_replicas") or len({s["replica_id"] for s in steps}) or 1
-    changes = [(start, initial)]
-    for d in store.scaling(run_id):
-        if start <= d["time"] <= end:
-            i = d["inputs"]
-            up = i["serving"] + i["starting"]  # a decision's `current`
-            alive = int(up + i["draining"] + max(0, d["desired"] - up))
-            changes.append((d["time"], alive))
-    return ReplicaTimeline(start, end, changes)
+    """The replicas alive over the run: `state_timeline`'s, in whichever state."""
+    states = state_timeline(store, run_id)
+    changes = [(states.start + t, sum(n)) for t, *n in states.points]
+    return ReplicaTimeline(states.start, states.end, changes)
 
 
 def scaling_figures(store: MetricsStore, run_id: int, cluster: dict) -> dict[str, float | None]:
@@ -131,9 +113,7 @@ def against_static(result: ExperimentResult, rows: list[Row]) -> list[str]:
         eligible = []
         for r in scaled:
             seconds, met = statistics.median(r.values["replica_seconds"]), statistics.median(r.values["slo_attainment"])
-            keeps = len(r.run_ids) == len(ref.run_ids) and all(
-                m >= ATTAINMENT_SHARE * rm for m, rm in zip(r.values["slo_attainment"], ref.values["slo_attainment"])
-            )
+            keeps = _keeps_attainment(r, ref, ATTAINMENT_SHARE)
             if keeps:
                 eligible.append((seconds, r))
             lines.append(
@@ -151,6 +131,13 @@ def against_static(result: ExperimentResult, rows: list[Row]) -> list[str]:
         else:
             lines.append(f"best policy: none keeps {ATTAINMENT_SHARE:g}x of {ref.cell.scaling}'s SLO attainment")
     return lines + against_serve_autoscaler(result, rows)
+
+
+def _keeps_attainment(row: Row, ref: Row, share: float) -> bool:
+    """Whether `row` keeps `share` of `ref`'s SLO attainment on every seed (both run on the
+    same seeds): the rule both comparisons pick a policy by."""
+    pairs = zip(row.values["slo_attainment"], ref.values["slo_attainment"])
+    return len(row.run_ids) == len(ref.run_ids) and all(m >= share * rm for m, rm in pairs)
 
 
 def against_serve_autoscaler(result: ExperimentResult, rows: list[Row]) -> list[str]:
@@ -193,8 +180,7 @@ def against_serve_autoscaler(result: ExperimentResult, rows: list[Row]) -> list[
         matching = []
         for r in ours:
             mine = median(r, "replica_seconds")
-            met_each = zip(r.values["slo_attainment"], serve.values["slo_attainment"])
-            if mine <= seconds and len(r.run_ids) == len(serve.run_ids) and all(m >= s for m, s in met_each):
+            if mine <= seconds and _keeps_attainment(r, serve, 1.0):
                 matching.append((mine, r))
             lines.append(
                 f"{r.cell.routing} {r.cell.scaling}: {mine / seconds:.2f}x its replica-seconds, "
@@ -213,25 +199,39 @@ def against_serve_autoscaler(result: ExperimentResult, rows: list[Row]) -> list[
 
 @dataclass(frozen=True)
 class StateTimeline:
-    """The replicas by state over one run, as the scaling rows saw them: (seconds from the
-    run's start, serving, starting, draining) at the start and at each row that changed them."""
+    """The replicas by state over one run (`start` to `end`, as `replica_timeline` says), as
+    the scaling rows saw them: (seconds from `start`, serving, starting, draining) at the
+    start and at each row that changed them."""
 
+    start: float
+    end: float
     points: list[tuple[float, int, int, int]]
 
 
 def state_timeline(store: MetricsStore, run_id: int) -> StateTimeline:
-    """By `replica_timeline`'s rule, each alive replica in its state: those wanted beyond the
-    ones starting or serving count as starting from the row that asked for them."""
-    timeline = replica_timeline(store, run_id)
-    points = [(0.0, timeline.changes[0][1], 0, 0)]
+    """From the run's first planned arrival (on the run's clock: virtual in the simulator, the
+    wall clock on Ray) to its last step or completion: `num_replicas` of its config serving to
+    begin with, then after each scaling decision the replicas it found in each state, those it
+    started (wanted beyond the ones starting or serving) counted as starting; a replica it
+    drains stays alive until the next decision sees it gone. Decisions sample the cluster every
+    decision period, so a start or an end counts to within one period. A run on Ray Serve's
+    autoscaler has the same rows, sampled from Serve's controller every decision period
+    (`cluster.serve_baseline`), read by the same rule."""
+    run, requests, steps = store.run(run_id), store.requests(run_id), store.steps(run_id)
+    planned = [r["planned_arrival"] if r["planned_arrival"] is not None else r["arrival"] for r in requests]
+    start = min((t for t in planned if t is not None), default=0.0)
+    ends = [r["completion"] for r in requests if r["completion"] is not None]
+    end = max([start, *ends, *(s["start"] + s["duration"] for s in steps)])
+    initial = (run["config"] or {}).get("num_replicas") or len({s["replica_id"] for s in steps}) or 1
+    points = [(0.0, initial, 0, 0)]
     for d in store.scaling(run_id):
-        if timeline.start <= d["time"] <= timeline.end:
+        if start <= d["time"] <= end:
             i = d["inputs"]
             serving, starting, draining = int(i["serving"]), int(i["starting"]), int(i["draining"])
             asked = max(0, d["desired"] - serving - starting)
             if points[-1][1:] != (serving, starting + asked, draining):
-                points.append((d["time"] - timeline.start, serving, starting + asked, draining))
-    return StateTimeline(points)
+                points.append((d["time"] - start, serving, starting + asked, draining))
+    return StateTimeline(start, end, points)
 
 
 def windows(
@@ -239,7 +239,8 @@ def windows(
 ) -> tuple[list[float], list[float], list[float | None]]:
     """Per `window_s` of the run, by planned arrival: the offered load in replicas (the work of
     the requests arriving then at `one_replica`'s capacity, over the window) and the TTFT p90
-    of those that got a first token (None: none did)."""
+    of those that got a first token, as the table takes it (`metrics.definitions.percentiles`;
+    None: none did)."""
     start = replica_timeline(store, run_id).start
     work: dict[int, float] = {}
     ttfts: dict[int, list[float]] = {}
@@ -254,13 +255,8 @@ def windows(
             ttfts.setdefault(k, []).append(r["first_token"] - r["arrival"])
     times = [(k + 0.5) * window_s for k in range(max(work, default=-1) + 1)]
     load = [work.get(k, 0.0) / window_s for k in range(len(times))]
-    p90 = [_p90(ttfts[k]) if ttfts.get(k) else None for k in range(len(times))]
+    p90 = [percentiles(ttfts.get(k, []))["p90"] for k in range(len(times))]
     return times, load, p90
-
-
-def _p90(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
 
 
 def plot_scaling_timeline(result: ExperimentResult, rows: list[Row], out: Path) -> list[tuple[str, Path]]:
@@ -287,8 +283,8 @@ def plot_scaling_timeline(result: ExperimentResult, rows: list[Row], out: Path) 
             run_id = r.run_ids[0]
             one = plan.replica_capacity(result.capacities[r.cell.slots])
             times, load, p90 = windows(store, run_id, one)
-            states = state_timeline(store, run_id).points
-            timeline = replica_timeline(store, run_id)
+            timeline = state_timeline(store, run_id)
+            states = timeline.points
             xs = [t for t, *_ in states] + [timeline.end - timeline.start]
             below = [0] * len(xs)
             for j, state in enumerate(STATE_COLOURS):

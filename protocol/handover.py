@@ -76,3 +76,7 @@ class KvLink:
 # rough orders of magnitude, stated so experiments name the link they assume.
 SAME_NODE = KvLink(bandwidth_bytes_per_s=5e9, latency_s=0.001)
 CROSS_NODE = KvLink(bandwidth_bytes_per_s=1.25e9, latency_s=0.002)
+
+# Why a prefill replica's hand-over moved its request (a migration's `reason`, fetch fallbacks
+# appended): a drained replica's moves give the drain's reason, so the two are told apart.
+PREFILL_HANDOVER = "handed over with its K/V"

@@ -144,4 +144,5 @@ class AutoscalerStatus:
     cold_starts: list[ColdStart]
     drained_finished: int  # requests of drained replicas that finished there
     drained_moved: int  # and those handed back to their clients to resume elsewhere
+    drained_kv_moved: int  # of those, the ones that moved with their K/V (fetched, not computed again)
     errors: list[str]

@@ -25,9 +25,10 @@ this actor with the arguments it was created with, so a restarted router knows t
 cluster started with (one drained away since, whose name is gone, as down: `gone`): the
 controller gives it back the ones it added and has it remove the gone ones.
 
-Whether more requests may come (`set_arrivals_done`, from the driver) is kept here and passed
-to every replica, to each added or restarted one too, so a replica the cluster did not start
-with is not left waiting to fill a static batch.
+Whether more requests may come (`set_arrivals_done`, from the driver) is kept here and passed,
+without waiting, to every replica, to each added or restarted one too, so a replica the cluster
+did not start with is not left waiting to fill a static batch. A router Ray restarted has no
+word until the driver's next one: it passes none, and a replica keeps the one it had.
 """
 
 from __future__ import annotations
@@ -179,7 +180,11 @@ class RouterActor:
 
     def add_replica(self, replica_id: str, actor_name: str) -> None:
         """A replica the controller started (its actor, by name): routed to once the health
-        check has attached it and passed, as a replica Ray restarted is."""
+        check has attached it and passed, as a replica Ray restarted is. A replica it already
+        holds is left as it is: the controller's start and its reconciling of a view taken
+        just before may both add the same one."""
+        if replica_id in self._handles:
+            return
         self._handles[replica_id] = _actor(actor_name)
         self._router.add_replica(replica_id)
         self._router.mark_down(replica_id, "starting")
@@ -188,16 +193,16 @@ class RouterActor:
 
     def set_arrivals_done(self, done: bool) -> None:
         """The driver says whether more requests may come before a running one ends: passed to
-        every replica (waiting a few seconds for them, so the driver's next request comes after
-        it) and to each replica added or restarted from now on."""
+        every replica and to each replica added or restarted from now on. Sent without waiting,
+        so a replica that is restarting holds up no route call; a replica that hears it a little
+        after a request only batches that request as it would have a moment before."""
         self._arrivals_done = done
-        refs = self._tell_arrivals_done(list(self._handles))
-        ray.wait(refs, num_returns=len(refs), timeout=10.0)
+        self._tell_arrivals_done(list(self._handles))
 
-    def _tell_arrivals_done(self, replica_ids: list[str]) -> list[ray.ObjectRef]:
-        if self._arrivals_done is None:
-            return []
-        return [self._handles[r].set_arrivals_done.remote(self._arrivals_done) for r in replica_ids]
+    def _tell_arrivals_done(self, replica_ids: list[str]) -> None:
+        if self._arrivals_done is not None:
+            for replica_id in replica_ids:
+                self._handles[replica_id].set_arrivals_done.remote(self._arrivals_done)
 
     def remove_replica(self, replica_id: str) -> None:
         """A drained replica is gone: forget it (its requests were handed back to their clients)."""

@@ -27,7 +27,8 @@ ROLES = ("mixed", "prefill", "decode")
 class PdPools:
     """Which replicas prefill (the rest decode), the P/D decider by name with its threshold,
     the K/V a hand-over sends per prompt token and the link they cross (what the queue-aware
-    decider prices a hand-over at: a simulation's or an experiment's `kv_link`)."""
+    decider prices a hand-over at: an experiment's `kv_link`, in its simulation and on its Ray
+    cluster alike, or `slotserve up --kv-link`)."""
 
     roles: dict[str, str] = field(default_factory=dict)
     decider: str = "threshold"

@@ -19,7 +19,10 @@ from protocol.cost import LinearCostModel, StepFeatures
 from replica.errors import ConfigError
 
 FEATURES = ("decode_tokens", "prefill_tokens", "context_tokens", "padding_rows")
-MAX_LOOP_GAP = 0.01  # seconds from a step's end to the next one's start that still count as the loop going on
+# Seconds from a step's end to the next one's start that still count as the loop going on: a
+# longer gap is an idle wait for an arrival, so loop work of this much or more per step is
+# dropped with the idle waits and cannot be measured (`step_overhead`).
+MAX_LOOP_GAP = 0.01
 
 
 class FitQuality(BaseModel):
@@ -115,7 +118,9 @@ def step_overhead(steps: Sequence[dict], cost: LinearCostModel) -> float | None:
     within `MAX_LOOP_GAP` of its end: not an idle wait for an arrival), of the time from its start
     to the next one's start less its price. That covers the loop's work between steps (token
     events, the load report, the inbox) and, on a fake replica, each priced sleep's overshoot.
-    None: no such pair of steps."""
+    A pair further apart than MAX_LOOP_GAP is left out as idle, so a loop that spends that much
+    or more between its steps is not measured. `cost` prices every replica: replicas of
+    different speeds are read one speed at a time. None: no such pair of steps."""
     by_replica: dict[tuple, list[dict]] = {}
     for row in steps:
         by_replica.setdefault((row.get("run_id"), row["replica_id"]), []).append(row)

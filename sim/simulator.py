@@ -19,9 +19,9 @@ ends come first, then arrivals, then new steps, so one replica replays exactly w
 What a cluster spends outside the steps, as its runs measured it
 (`benchmarks/experiment_fidelity.py --file`): each replica's serving loop between two steps (token
 events, the load report, the inbox; a fake step's sleep overshoot), `step_overhead` seconds
-added to every step, not scaled by `cost_scales`; and a request's way to its replica (the route
-and submit calls) and its first token's way back, `dispatch_delay` seconds, by which each
-request is routed and queued after its planned arrival, its TTFT counted from that arrival.
+added after every step (its tokens out at its priced end), not scaled by `cost_scales`; and a
+request's way to its replica (the route and submit calls) and its first token's way back,
+`dispatch_delay` seconds, by which each request is routed and queued after its planned arrival.
 Without them a simulated cluster decodes faster than the one it stands for, and a prefix hit's
 TTFT (one short step) misses a large part.
 
@@ -75,7 +75,9 @@ class SimulationConfig(BaseModel):
     )
     slo: SLO = Field(default_factory=SLO, description="the SLO the run is judged by; the router routes within its TPOT")
     step_overhead: NonNegativeFloat = Field(0.0, description="seconds a replica's loop adds to each step (not scaled)")
-    dispatch_delay: NonNegativeFloat = Field(0.0, description="seconds from arrival to routed and queued on a replica")
+    dispatch_delay: NonNegativeFloat = Field(
+        0.0, description="seconds from arrival to routed and queued: its way to a replica and its token's way back"
+    )
 
     @field_validator("routing_policy")
     @classmethod

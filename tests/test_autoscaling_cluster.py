@@ -51,8 +51,9 @@ def test_a_replica_drained_under_load_hands_its_requests_on_exactly(ray_local, t
     """Two replicas, each running two long streams, and a policy that wants one from the start:
     after its downscale delay (past the streams' start) the controller drains one while its
     requests run; what does not finish within the drain timeout resumes on the other replica
-    with no token lost or repeated.
-    `slotserve status` then shows the replica left serving and the decision that drained."""
+    with no token lost or repeated, the decoding ones with their K/V.
+    `slotserve status` then shows the replica left serving, the decision that drained and the
+    requests moved with their K/V."""
     autoscale = AutoscaleConfig(
         policy="target_ongoing",
         min_replicas=1,
@@ -84,11 +85,13 @@ def test_a_replica_drained_under_load_hands_its_requests_on_exactly(ray_local, t
             lambda: (s := autoscaler_status()) and len(s.replicas) == 1 and s, 60, "the drained replica to leave"
         )
         assert status.scale_downs == 1 and status.drained_moved == len(moves)
+        assert status.drained_kv_moved == sum(m.kv_seconds is not None for m in moves) > 0  # decoding: with K/V
         from cli.main import main
 
         assert main(["status"]) == 0
         out = capsys.readouterr().out
         assert "autoscaling: target_ongoing" in out and "serving" in out and "last decision" in out
+        assert f"({status.drained_kv_moved} with their K/V)" in out
     finally:
         stop_cluster()
 
@@ -118,9 +121,10 @@ def test_experiment_file_states_an_autoscaled_cluster(tmp_path):
 def test_added_replicas_hear_arrivals_survive_a_router_restart_and_leave_local_routers(ray_local, tmp_path):
     """Static batching, where a lone request runs only once the replica knows no more requests
     come: the replica the controller adds for three long requests warms up (its warm-up runs
-    alone), hears the driver's word given before it existed and each change of it after;
-    a router Ray restarts is given it back by the controller and routes to it; and once it is
-    drained away, a client routing locally forgets it."""
+    alone) and, with no word from a driver (as under `slotserve serve`), still waits for more
+    requests after it; it hears each word the router is given from then on, and adding it
+    twice changes nothing; a router Ray restarts is given it back by the controller and routes
+    to it; and once it is drained away, a client routing locally forgets it."""
     autoscale = AutoscaleConfig(
         policy="target_ongoing",
         min_replicas=1,
@@ -140,7 +144,6 @@ def test_added_replicas_hear_arrivals_survive_a_router_restart_and_leave_local_r
     )
     try:
         router = start_cluster(spec).router
-        ray.get(router.set_arrivals_done.remote(False))  # what the driver says while a run's requests may come
 
         def ask(method: str, *args):
             try:
@@ -158,6 +161,8 @@ def test_added_replicas_hear_arrivals_survive_a_router_restart_and_leave_local_r
                     for i in range(3)
                 ]
                 await asyncio.to_thread(wait_until, added_is_up, 120, "the added replica to serve")
+                await router.add_replica.remote("replica-1", "slotserve-replica-1")  # the reconcile's, say
+                assert await router.is_up.remote("replica-1")
                 waiting = asyncio.ensure_future(client.agenerate([8, 8], max_tokens=4, ignore_eos=True))
                 await asyncio.sleep(1.0)
                 assert not waiting.done()  # a static batch of one waits for more requests to come
@@ -180,6 +185,34 @@ def test_added_replicas_hear_arrivals_survive_a_router_restart_and_leave_local_r
         assert all("restart" in e for e in status.errors), status.errors  # only decisions while the router restarted
     finally:
         stop_cluster()
+
+
+def test_a_failed_sample_of_serves_replicas_loses_that_sample_only(monkeypatch):
+    """Serve's controller failing to answer one sample (busy or restarting) costs the timeline
+    that point, not the run: the sampler goes on and records each change after it."""
+    from cluster import serve_baseline
+
+    one, two = {"serving": 1, "starting": 0, "draining": 0}, {"serving": 1, "starting": 1, "draining": 0}
+    answers = [RuntimeError("controller restarting"), one, RuntimeError("timed out"), two]
+
+    def counts() -> dict[str, int]:
+        answer = answers.pop(0) if len(answers) > 1 else answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(serve_baseline, "_replica_counts", counts)
+
+    async def sample() -> list:
+        changes: list = []
+        sampler = asyncio.ensure_future(serve_baseline._sample_replicas(0.001, changes))
+        while len(changes) < 2 and not sampler.done():
+            await asyncio.sleep(0.005)
+        sampler.cancel()
+        return changes
+
+    changes = asyncio.run(asyncio.wait_for(sample(), 10))
+    assert [(c.current, c.desired) for c in changes] == [(1, 1), (1, 2)]
 
 
 def test_ray_serve_autoscaler_grows_the_same_engine_and_its_replica_seconds_are_sampled(ray_local, tmp_path):

@@ -110,6 +110,20 @@ def test_left_out_flags_and_keys_build_the_default_engine(capsys):
         assert f"(default: {value})" in shown.split(f"{flag} ", 1)[1].split(" --", 1)[0], flag
 
 
+def test_up_with_pools_prices_hand_overs_on_the_link_it_is_given():
+    """`slotserve up` with pools prices the queue-aware decider's hand-overs on --kv-link, the
+    same links an experiment's `kv_link` names (same-node unless told)."""
+    from cli.common import cluster_spec
+    from cli.up import disaggregated
+    from protocol.handover import CROSS_NODE, SAME_NODE
+
+    def link(*flags: str):
+        args = build_parser().parse_args(["up", "--prefill-replicas", "1", "--decode-replicas", "1", *flags])
+        return disaggregated(cluster_spec(args), args).pd_pools().link
+
+    assert (link(), link("--kv-link", "cross_node")) == (SAME_NODE, CROSS_NODE)
+
+
 def test_compare_prints_table_and_writes_outputs(tiny_gpt2_dir, tmp_path, capsys):
     """compare replays one workload through the chosen policies and writes traces, steps,
     summary and a plot: each row's throughput is its requests' tokens over their makespan and

@@ -5,13 +5,16 @@ time an experiment's table gives each split."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 
-from experiments.experiment_report import format_summary, summarize_runs
+from experiments.experiment_report import format_summary, summarize_runs, transfer_seconds
 from experiments.plan import plan_experiment
 from experiments.run import run_experiment
 from metrics.store import MetricsStore
-from protocol.handover import CROSS_NODE, SAME_NODE, KvLink
+from protocol.handover import CROSS_NODE, PREFILL_HANDOVER, SAME_NODE, KvLink
+from protocol.messages import MigrationRecord
 from protocol.registry import UnknownChoiceError
 from router.pd_decider import PD_DECIDERS, PdCosts, PdView, QueueAwareDecider, ThresholdDecider
 from tests.test_disaggregation_sim import write
@@ -70,3 +73,21 @@ def test_the_report_gives_each_split_its_hand_over_time(tmp_path):
     assert seconds == store.run(result.runs[1][1])["config"]["handover_seconds_mean"] > SAME_NODE.latency_s
     store.close()
     assert "hand-over s" in format_summary([colocated, split]) and "hand-over s" not in format_summary([colocated])
+
+
+def test_a_clusters_hand_over_time_counts_prefill_hand_overs_only(tmp_path):
+    """A cluster's run with a prefill replica's hand-over and a drained replica's move with its
+    K/V: the table's hand-over time is the prefill-to-decode fetch alone (a fallback computed
+    again still counts: its fetch was tried)."""
+    store = MetricsStore(tmp_path / "s.db")
+    run_id = store.begin_run("pd", {}, "continuous", "least_loaded", 0)
+    moves = [
+        MigrationRecord("a", "replica-0", "replica-1", 1, PREFILL_HANDOVER, 1.0, 1000, 0.01),
+        MigrationRecord(
+            "b", "replica-0", "replica-2", 1, f"{PREFILL_HANDOVER}; K/V computed again: expired", 2.0, 0, 0.03
+        ),
+        MigrationRecord("c", "replica-1", "replica-2", 9, "replica-1: draining", 3.0, 5000, 0.5),
+    ]
+    store.add_migrations(run_id, [asdict(m) for m in moves])
+    assert transfer_seconds(store, run_id) == pytest.approx(0.02)
+    store.close()

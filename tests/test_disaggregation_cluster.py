@@ -46,8 +46,8 @@ def test_two_pool_router_sends_long_prompts_to_prefill_and_moves_to_decode():
     replica (colocated); a request moved off any replica (handed over, or lost) goes to the
     decode pool only, and with no decode replica up it is refused to wait for one; a new
     request then still goes to the prefill pool. The queue-aware decider keeps a long prompt
-    colocated on an idle decode replica, and on a busy one when the pools' link (a simulated
-    cluster's `kv_link`) is too slow for its K/V."""
+    colocated on an idle decode replica, and on a busy one when the pools' link (an experiment's
+    `kv_link`, the same pools simulated and on Ray) is too slow for its K/V."""
     router = PdRouter(list(ROLES), PdPools(ROLES, "threshold", THRESHOLD), policy="least_loaded", clock=FakeClock())
     for replica_id in ROLES:
         router.report(report(replica_id))
@@ -70,8 +70,12 @@ def test_two_pool_router_sends_long_prompts_to_prefill_and_moves_to_decode():
         aware.report(report(replica_id, running=8))
     assert aware.route(RouteRequest("busy-decode", 2000, 8)).replica_id == "replica-0"
     slow_link = KvLink(bandwidth_bytes_per_s=1e7, latency_s=0.01)  # 2000 tokens' K/V take 4.6 s on it
-    pools = SimPools(prefill_replicas=1, decider="queue_aware", threshold=THRESHOLD, link=slow_link)
-    slow = PdRouter(list(ROLES), pools.pd_pools(list(ROLES)))
+    simulated = SimPools(prefill_replicas=1, decider="queue_aware", threshold=THRESHOLD, link=slow_link)
+    on_ray = ClusterSpec(
+        prefill_replicas=1, decode_replicas=2, pd_decider="queue_aware", pd_threshold=THRESHOLD, kv_link=slow_link
+    )
+    assert simulated.pd_pools(list(ROLES)) == on_ray.pd_pools()  # the simulation and Ray decide alike
+    slow = PdRouter(list(ROLES), on_ray.pd_pools())
     for replica_id in ROLES:
         slow.report(report(replica_id, running=0 if replica_id == "replica-0" else 8))
     assert slow.route(RouteRequest("busy-decode", 2000, 8)).replica_id != "replica-0"

@@ -200,7 +200,8 @@ def test_a_drain_hands_decoding_requests_over_and_keeps_them_until_taken():
     K/V (every token delivered but the last), the waiting one with its tokens only (it has no
     K/V to continue from); `handovers_taken` waits until the hand-over is taken, and another
     engine finishes the request from it with the undisturbed tokens, computing no prompt
-    token. A hand-over nobody takes is given up at its expiry, and the wait ends then."""
+    token. A hand-over nobody takes is given up at its expiry, and the wait ends then, or at
+    its own bound if that comes first."""
     serving, outs, prompt = drained(ttl=30.0)
     final_a, final_b = outs["a"][-1], outs["b"][-1]
     assert final_b.finish_reason is FinishReason.MIGRATE and final_b.handover is None and len(outs["b"]) == 1
@@ -211,7 +212,7 @@ def test_a_drain_hands_decoding_requests_over_and_keeps_them_until_taken():
     assert handover.num_kv_tokens == len(prompt) + len(delivered) - 1
 
     async def take_while_waiting():
-        waiting = asyncio.ensure_future(serving.handovers_taken())
+        waiting = asyncio.ensure_future(serving.handovers_taken(60.0))
         await asyncio.sleep(0.2)
         assert not waiting.done()  # kept for the replica the client moves it to
         taken = serving.take_handover("a")
@@ -229,12 +230,14 @@ def test_a_drain_hands_decoding_requests_over_and_keeps_them_until_taken():
 
     expiring, _, _ = drained(ttl=0.3)
 
-    async def expire() -> float:
-        start = expiring.clock.now()
-        await asyncio.wait_for(expiring.handovers_taken(), 5)
-        return expiring.clock.now() - start
+    async def expire(serving: AsyncEngine, within: float) -> float:
+        start = serving.clock.now()
+        await asyncio.wait_for(serving.handovers_taken(within), 5)
+        return serving.clock.now() - start
 
-    assert asyncio.run(expire()) > 0.1 and expiring.take_handover("a") is None
+    assert asyncio.run(expire(expiring, 60.0)) > 0.1 and expiring.take_handover("a") is None
+    kept, _, _ = drained(ttl=30.0)  # a wait shorter than the expiry ends first, the hand-over still kept
+    assert 0.1 < asyncio.run(expire(kept, 0.2)) < 5 and kept.take_handover("a") is not None
 
 
 @pytest.fixture(scope="module")

@@ -239,6 +239,33 @@ def test_dispatch_delay_routes_late_and_counts_in_the_ttft():
     assert ttfts[0.015] == pytest.approx([t + 0.015 for t in ttfts[0.0]])
 
 
+def test_the_fidelity_check_reads_back_the_loop_and_request_path_the_simulator_paid(tmp_path):
+    """A simulated experiment given `step_overhead` and `dispatch_delay`, its runs read as a
+    cluster's would be (`benchmarks.experiment_fidelity.overheads`): both come back, the first
+    token's way back not counting again the loop's time the simulated replica already paid."""
+    from benchmarks.experiment_fidelity import overheads
+    from experiments.plan import plan_experiment
+    from experiments.run import run_experiment
+
+    (tmp_path / "cost.json").write_text(
+        '{"c0": 0.004, "c_decode": 0.0005, "c_prefill": 0.00005, "c_ctx": 0.0, "c_held": 0.0}'
+    )
+    path = tmp_path / "paths.toml"
+    path.write_text(
+        'name = "paths"\n[workload]\nstandard = "bursty-mix"\nargs = { num_requests = 40 }\n'
+        '[cluster]\nreplicas = 2\nslots = 4\nmax_seq_len = 256\nmodel = "fake"\ncost_model = "cost.json"\n'
+        "step_overhead = 0.003\ndispatch_delay = 0.02\n"
+        '[sweep]\nbatching = ["chunked"]\nrouting = ["least_loaded"]\nload = [0.3]\nseeds = [0]\n'
+    )
+    run_experiment(plan_experiment(path, simulate=True), simulate=True, store_path=tmp_path / "s.db", progress=False)
+    found = overheads(tmp_path / "s.db", "paths", path)
+    assert found["step_overhead (slotserve)"] == pytest.approx(0.003, abs=1e-9)
+    assert found["dispatch_delay"] == pytest.approx(0.02, abs=1e-9)
+    with pytest.raises(SystemExit, match="cost_scales"):
+        path.write_text(path.read_text().replace("replicas = 2", "replicas = 2\ncost_scales = [1.0, 2.0]"))
+        overheads(tmp_path / "s.db", "paths", path)
+
+
 def test_recorded_simulation_reads_like_a_cluster_run(tmp_path):
     """record_simulation writes the same row shapes the cluster writes; the run is marked
     simulated and the report's analysis reads it per replica."""

@@ -94,8 +94,9 @@ class ClusterSection(_Section):
     kv_budget_tokens, kv_cache, block_size, prefix_caching). `prefill_replicas` and
     `decode_replicas` split the replicas into pools (prefill/decode disaggregation; `replicas`
     is then their sum), `pd_decider` and `pd_threshold` choose which requests are
-    disaggregated (checked by the plan), and `kv_link` is what a simulated hand-over's K/V cross:
-    "same_node", "cross_node" or a table {bandwidth_bytes_per_s, latency_s}."""
+    disaggregated (checked by the plan), and `kv_link` is what a simulated hand-over's K/V cross
+    and what the queue-aware decider prices one at, simulated and on Ray: "same_node",
+    "cross_node" or a table {bandwidth_bytes_per_s, latency_s}."""
 
     replicas: PositiveInt = 2
     slots: PositiveInt = Field(defaults.NUM_SLOTS, description="slots per replica, unless sweep.slots is given")
@@ -118,7 +119,9 @@ class ClusterSection(_Section):
         "(the cluster's: benchmarks/experiment_fidelity.py measures it); ignored on Ray",
     )
     dispatch_delay: NonNegativeFloat = Field(
-        0.0, description="seconds a simulated request takes to reach its replica and its token back; ignored on Ray"
+        0.0,
+        description="seconds by which a simulated request is routed and queued after its arrival: its way to "
+        "its replica and its first token's way back, all of it before routing; ignored on Ray",
     )
     dtype: defaults.Dtype = defaults.DTYPE
     device: str = "auto"
@@ -134,7 +137,9 @@ class ClusterSection(_Section):
     pd_decider: str = Field("threshold", description="P/D decider (router.pd_decider), checked by the plan")
     pd_threshold: NonNegativeInt = Field(256, description="uncached prompt tokens from which it disaggregates")
     kv_link: Literal["same_node", "cross_node"] | KvLink = Field(
-        "same_node", description="the link a simulated hand-over's K/V cross (protocol.handover)"
+        "same_node",
+        description="the link a simulated hand-over's K/V cross (protocol.handover), and the one the "
+        "queue-aware P/D decider prices, simulated and on Ray",
     )
 
     @model_validator(mode="before")

@@ -47,7 +47,7 @@ from replica.engine import RequestOutput
 from replica.errors import InvalidRequestError
 from replica.scheduling.kv_events import with_kv_events
 from replica.scheduling.request import SamplingParams, validate_prompt, validate_request_id
-from replica.serving.loop import AsyncEngine, ReplicaConfig, build_engine, report_due
+from replica.serving.loop import DRAIN_HANDOVER_WAIT, AsyncEngine, ReplicaConfig, build_engine, report_due
 
 STEP_BATCH = 64  # step samples per store write
 MAX_OUTBOX = 4096  # step messages waiting for a client that does not read; past it its requests are aborted
@@ -141,10 +141,10 @@ class ReplicaActor:
 
     async def drain(self, timeout: float, move_kv: bool = True) -> dict[str, int]:
         """`AsyncEngine.drain`; with `move_kv`, wait until the hand-overs kept here are taken or
-        expired; flush step samples. The caller stops this replica once it has the counts."""
+        expired (DRAIN_HANDOVER_WAIT at most); flush step samples. The caller stops us then."""
         counts = await self.serving.drain(timeout, move_kv)
-        if move_kv:
-            await self.serving.handovers_taken()
+        if move_kv:  # a fetch after the wait finds this replica gone: its K/V are computed again
+            await self.serving.handovers_taken(DRAIN_HANDOVER_WAIT)
         await asyncio.sleep(0.05)  # let the last step messages go out before the caller stops us
         await self.flush()
         return counts

@@ -68,7 +68,11 @@ class ReplicaConfig(BaseModel):
         "decode or mixed: serve requests to the end (prefill/decode disaggregation)",
     )
     handover_ttl: float = Field(
-        30.0, gt=0, description="seconds a prefill replica keeps a hand-over's K/V for a decode replica to fetch"
+        30.0,
+        gt=0,
+        description="seconds a replica keeps a hand-over's K/V for the next replica to fetch: a prefill "
+        "replica's, and a drained replica's decoding requests' (which keep it up that long, at most "
+        "DRAIN_HANDOVER_WAIT)",
     )
 
     @model_validator(mode="after")
@@ -96,6 +100,9 @@ def build_engine(config: ReplicaConfig) -> Engine:
 # Seconds between load reports while requests run; an idle replica reports at once, so the
 # router learns of freed slots without delay.
 REPORT_INTERVAL = 0.02
+# Seconds a drained replica stays up at most for its hand-overs to be taken (fewer when
+# `handover_ttl` expires them sooner), so whoever stops it knows how long a drain can take.
+DRAIN_HANDOVER_WAIT = 60.0
 
 
 def report_due(load: LoadReport, since_last: float) -> bool:
@@ -317,15 +324,17 @@ class AsyncEngine:
             await self._drained.wait()
         return {"finished": held - self._handed_back, "migrated": self._handed_back, "kv_moved": self._kv_moved}
 
-    async def handovers_taken(self) -> None:
-        """Return once every hand-over kept here has been taken or has expired: a drained
-        replica stays up until then, since the replicas its requests moved to fetch their K/V
-        from it (a dead one cannot be asked: they compute them again)."""
+    async def handovers_taken(self, within: float) -> None:
+        """Return once every hand-over kept here has been taken or has expired, or after
+        `within` seconds: a drained replica stays up until then, since the replicas its
+        requests moved to fetch their K/V from it (a dead one cannot be asked: they compute
+        them again)."""
+        deadline = self.clock.now() + within
         while True:
             self._expire_handovers()
-            if not self._handovers:
+            if not self._handovers or self.clock.now() >= deadline:
                 return
-            expiry = min(until for _, until in self._handovers.values())
+            expiry = min(deadline, *(until for _, until in self._handovers.values()))
             self._handover_taken.clear()
             waits = {
                 asyncio.ensure_future(self._handover_taken.wait()),

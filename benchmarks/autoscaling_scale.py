@@ -1,0 +1,132 @@
+"""The autoscaling simulator at cluster scale: a day of time-varying traffic (`--day-s` seconds
+of trace time, 86,400: a real day) replayed through `sim.autoscaling.AutoscalingSimulator` with
+the `predictive` policy between 1 and `--max-replicas` (256) replicas, at a rate whose midday
+peak needs them all.
+
+The traffic is a synthetic day (`workloads.diurnal`): a cosine from the trough at midnight to a
+midday peak `--peak-to-trough` (4) times higher, plus `--bursts` bursts (6 a day, each 1/720 of
+the day long, at 1.5x the rate there), lengths as `DiurnalDay`'s. Its rate is set from one
+replica's measured capacity: the curve's peak offered load, in replicas kept exactly busy, is
+`--max-replicas` / (1 + the policy's headroom), so the policy asks for the maximum at midday and
+a burst near it is capped there. Replicas are those of `benchmarks.autoscaling_comparison`
+(8 slots, chunked batching) priced by the shipped fitted cost model at its own speed (SmolLM2
+on CPU; `--speedup` runs it faster), with a `--cold-start` (10 s), a decision each second and a
+30 s cooldown; the policy reads a 60 s window and forecasts 15 s ahead (past the cold start).
+
+Prints the offered traffic, then the simulation's wall time and requests simulated per wall
+second, the most replicas at once, replica-seconds, SLO attainment (TTFT <= 10 s, TPOT <= 2 s:
+the comparison's limits at the cost model's own speed), scale events, the process's peak memory
+(max RSS), the CPU model, and the total wall time against the 5-minute target; for a shorter
+day, the full day's time extrapolated from it (a compressed day has a full day's rate and
+replicas, so its cost per trace second is a full day's).
+
+    .venv/bin/python -m benchmarks.autoscaling_scale                      # a full day, 256 replicas
+    .venv/bin/python -m benchmarks.autoscaling_scale --day-s 300          # a 5-minute compressed day
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import resource
+import time
+from pathlib import Path
+
+from autoscaling.policies import AutoscaleConfig
+from metrics.definitions import SLO
+from replica.config import EngineConfig
+from sim.autoscaling import AutoscalingSimulator
+from sim.cost_model import FittedCostModel
+from sim.simulator import SimulationConfig, measure_capacity
+from workloads.diurnal import DiurnalArrivals, DiurnalDay
+
+COST_MODEL = Path(__file__).resolve().parent.parent / "workloads" / "experiments" / "cost_model.json"
+ENGINE = EngineConfig(policy="chunked", num_slots=8, max_seq_len=1536)
+PARAMS = {"window_s": 60.0, "horizon_s": 15.0, "headroom": 0.25}
+BOUNDS = {"min_replicas": 1, "cooldown_s": 30.0, "period_s": 1.0}
+DAY_S = 86_400.0
+SIZING_SAMPLE = 10_000  # length draws the mean work of a request is taken over
+BURST_SHARE = 1 / 720  # a burst lasts this share of the day: 2 minutes of a real one
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the kernel reports it (the platform's processor string elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--day-s", type=float, default=DAY_S, help="seconds of trace time in the day")
+    parser.add_argument("--max-replicas", type=int, default=256, help="the policy's bound, reached at midday")
+    parser.add_argument("--peak-to-trough", type=float, default=4.0)
+    parser.add_argument("--bursts", type=int, default=6, help="bursts in the day")
+    parser.add_argument("--cold-start", type=float, default=10.0, help="seconds from a replica asked for to serving")
+    parser.add_argument("--speedup", type=float, default=1.0, help="the cost model run this many times faster")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    cost = FittedCostModel.load(COST_MODEL).scaled(1 / args.speedup)
+    capacity = measure_capacity(SimulationConfig(num_replicas=1, engine=ENGINE), cost)
+    day = DiurnalDay(
+        arrivals=DiurnalArrivals(
+            rate=1.0,
+            day_s=args.day_s,
+            peak_to_trough=args.peak_to_trough,
+            bursts=args.bursts,
+            burst_s=args.day_s * BURST_SHARE,
+            burst_factor=1.5,
+        ),
+        seed=args.seed,
+    )
+    rng = random.Random(f"{args.seed}-sizing")
+    sample = [(day.prompt_len.sample(rng), day.output_len.sample(rng)) for _ in range(SIZING_SAMPLE)]
+    mean_work = sum(capacity.work_seconds(p, o) for p, o in sample) / SIZING_SAMPLE
+    peak_rate = args.max_replicas / (1 + PARAMS["headroom"]) / mean_work
+    ratio = args.peak_to_trough  # the curve's mean rate is (trough + peak) / 2
+    day = day.replace(arrivals=day.arrivals.replace(rate=peak_rate * (1 + ratio) / (2 * ratio)))
+    workload = day.build()
+    print(
+        f"{workload.describe()}: {len(workload.requests) / args.day_s:.1f} req/s over a {args.day_s:g} s day, "
+        f"midday {peak_rate:.1f} req/s; one replica {capacity.decode_tokens_per_s:.1f} decode / "
+        f"{capacity.prefill_tokens_per_s:.1f} prefill tok/s ({mean_work:.3f} s of work a request)",
+        flush=True,
+    )
+    autoscale = AutoscaleConfig(policy="predictive", params=PARAMS, max_replicas=args.max_replicas, **BOUNDS)
+    sim = AutoscalingSimulator(
+        workload, SimulationConfig(num_replicas=1, engine=ENGINE), autoscale, cost, capacity, args.cold_start
+    )
+    simulated = time.perf_counter()
+    run = sim.simulate()
+    simulated = time.perf_counter() - simulated
+    traces = run.simulation.traces
+    slo = SLO(ttft=10.0, tpot=2.0)
+    attainment = sum(1 for t in traces if slo.met_by(t)) / len(traces)
+    steps = sum(len(s) for s in run.simulation.steps.values())
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
+    print(
+        f"simulated {len(traces)} requests and {steps} engine steps in {simulated:.1f} s: "
+        f"{len(traces) / simulated:.0f} requests/s, {steps / simulated:.0f} steps/s"
+    )
+    print(
+        f"peak replicas {run.peak_replicas}, replica-seconds {run.replica_seconds:.0f} "
+        f"(mean {run.mean_replicas:.1f} replicas), SLO attainment {attainment:.4f} "
+        f"(TTFT <= {slo.ttft:g} s, TPOT <= {slo.tpot:g} s), scale events {run.scale_events}"
+    )
+    total = time.perf_counter() - started
+    print(f"peak memory (max RSS) {peak_rss:.0f} MiB; CPU {cpu_model()}")
+    if args.day_s >= DAY_S:
+        print(f"total {total:.0f} s (target: under 300 s): {'MET' if total < 300 else 'MISSED'}")
+    else:  # the traffic and the replicas per trace second are a full day's: the cost grows with its length
+        estimate = simulated * DAY_S / args.day_s
+        print(f"total {total:.0f} s; a {DAY_S:,.0f} s day at this rate: about {estimate:.0f} s (target: under 300 s)")
+
+
+if __name__ == "__main__":
+    main()
