@@ -3,8 +3,8 @@ through bursts of long streamed requests, so the controller (`cluster.autoscaler
 its maximum on each burst and drains it back as the burst thins out, while requests still run
 on the replicas it drains (a short drain timeout hands them on, token-exact, to the others).
 
-    .venv/bin/python benchmarks/autoscaling_churn.py --cycles 10   # >= 20 scale-downs (a few minutes)
-    .venv/bin/python benchmarks/autoscaling_churn.py --cycles 1    # one burst, for a look
+    .venv/bin/python -m benchmarks.autoscaling_churn --cycles 10   # >= 20 scale-downs (a few minutes)
+    .venv/bin/python -m benchmarks.autoscaling_churn --cycles 1    # one burst, for a look
 
 Every request's tokens are checked against the fake model's undisturbed output (its next token
 is a function of the sequence), so a lost, duplicated or wrong token is counted exactly. The

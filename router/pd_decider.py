@@ -26,8 +26,9 @@ from protocol.registry import Registry
 @dataclass(frozen=True)
 class PdView:
     """One request and the replicas picked for it: `uncached_tokens` of its prompt not in the
-    prefill replica's prefix cache, the K/V bytes a hand-over of its prompt sends, the decodes
-    running on the decode replica, and the prompt tokens the prefill replica has yet to compute."""
+    prefill replica's prefix cache, the K/V bytes a hand-over of its prompt sends, the requests
+    on the decode replica (running by its last report, or routed there since: those a colocated
+    prefill would stall), and the prompt tokens the prefill replica has yet to compute."""
 
     uncached_tokens: int
     kv_bytes: int

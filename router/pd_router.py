@@ -77,7 +77,9 @@ class PdRouter(Router):
         return PdView(
             uncached_tokens=max(0, request.prompt_len - cached),
             kv_bytes=request.prompt_len * self.pools.kv_bytes_per_token,
-            decode_running=decode.report.running if decode.report is not None else decode.in_flight,
+            # The router's own count too: a report taken before requests were routed there
+            # (an idle replica reports again only after its next step) would say it is empty.
+            decode_running=max(decode.report.running if decode.report is not None else 0, decode.in_flight),
             prefill_pending_tokens=prefill.report.prefill_tokens_pending if prefill.report is not None else 0,
         )
 

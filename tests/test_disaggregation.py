@@ -14,9 +14,11 @@ from experiments.plan import plan_experiment
 from experiments.run import run_experiment
 from metrics.store import MetricsStore
 from protocol.handover import CROSS_NODE, PREFILL_HANDOVER, SAME_NODE, KvLink
-from protocol.messages import MigrationRecord
+from protocol.messages import LoadReport, MigrationRecord
 from protocol.registry import UnknownChoiceError
+from protocol.routing import RouteRequest
 from router.pd_decider import PD_DECIDERS, PdCosts, PdView, QueueAwareDecider, ThresholdDecider
+from router.pd_router import PdPools, PdRouter
 from tests.test_disaggregation_sim import write
 
 BYTES_PER_TOKEN = 23_040  # the default model's K/V per token in bfloat16
@@ -50,6 +52,30 @@ def test_queue_aware_disaggregates_only_where_it_pays():
     assert not decider.disaggregate(view(100, decode_running=64))
     slow = QueueAwareDecider(threshold=256, costs=PdCosts(link=KvLink(bandwidth_bytes_per_s=1e7, latency_s=0.01)))
     assert not slow.disaggregate(view(2000, decode_running=8))
+
+
+def test_queue_aware_counts_what_was_routed_to_the_decode_replica_since_its_report():
+    """An idle decode replica's last report says it runs nothing, and it reports again only
+    after its next step: the long prompts routed there meanwhile count as decodes a colocated
+    prefill would stall, so once a few are there the next is disaggregated, not colocated too."""
+    pools = PdPools({"p": "prefill", "d": "decode"}, "queue_aware", 256, BYTES_PER_TOKEN, SAME_NODE)
+    router = PdRouter(["p", "d"], pools)
+    for rid, pending in (("p", 2000), ("d", 0)):
+        router.report(
+            LoadReport(
+                rid,
+                queue_depth=0,
+                running=0,
+                free_slots=8,
+                num_slots=8,
+                free_kv_tokens=5120,
+                time=0.0,
+                prefill_tokens_pending=pending,
+            )
+        )
+    chosen = [router.route(RouteRequest(f"q{i}", prompt_len=480, max_tokens=32)).replica_id for i in range(6)]
+    # Colocated costs 480 tokens x (1 + k decodes), disaggregated 2000 + 480 backlogged ones.
+    assert chosen == ["d"] * 5 + ["p"] and (router.colocated, router.disaggregated) == (5, 1)
 
 
 def test_deciders_are_named_choices():

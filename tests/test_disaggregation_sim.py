@@ -144,4 +144,8 @@ def test_cluster_pools_set_the_replicas_and_bad_splits_name_their_line(tmp_path)
 def test_the_shipped_experiment_plans():
     plan = plan_experiment("workloads/experiments/disaggregation.toml", simulate=True)
     assert {c.pools for c in plan.cells} == {"0:4", "1:3", "2:2", "3:1"}
-    assert {c.token_budget for c in plan.cells if c.pools == "0:4"} == {64, 128, 256}
+    # Colocated and split cells are offered the same budgets and slot counts.
+    for pools in ("0:4", "3:1"):
+        assert {(c.token_budget, c.slots) for c in plan.cells if c.pools == pools} == {
+            (budget, slots) for budget in (64, 128, 256, 512) for slots in (8, 12)
+        }
