@@ -10,9 +10,10 @@ serving replicas' load reports and the arrivals, under the shared bounds of `aut
   reaches `up_at` of the SLO, to the replicas that bring it back there; down when every replica
   has had headroom (nothing waiting, at most `headroom` of its slots busy) for `down_after_s`,
   to the replicas that hold what runs at that share of their slots.
-- `predictive`: the offered load forecast `horizon_s` ahead (the larger of the last `window_s`
-  mean and its linear trend there: a rising load is met before it arrives, a falling one
-  released only as the window forgets it), plus the waiting requests' work spread over the
+- `predictive`: the offered load forecast `horizon_s` ahead, or one measured cold start ahead
+  if that is longer (a replica asked for now serves no sooner): the larger of the last
+  `window_s` mean and its linear trend there (a rising load is met before it arrives, a
+  falling one released only as the window forgets it), plus the waiting requests' work spread over the
   horizon, in replicas at one replica's capacity, times 1 + `headroom`.
 
 `AUTOSCALING_POLICIES` is the registry of named choices; `make_autoscaling_policy` builds one
@@ -145,7 +146,9 @@ class QueueSlo(AutoscalingPolicy):
 
 class PredictiveParams(_Params):
     window_s: PositiveFloat = Field(60.0, description="arrivals the forecast is read from")
-    horizon_s: PositiveFloat = Field(10.0, description="how far ahead to forecast: a replica's cold start and more")
+    horizon_s: PositiveFloat = Field(
+        10.0, description="how far ahead to forecast (at least the last measured cold start: none serves sooner)"
+    )
     headroom: NonNegativeFloat = Field(0.25, description="capacity kept beyond the forecast load, as a share of it")
 
 
@@ -162,11 +165,12 @@ class Predictive(AutoscalingPolicy):
         p: PredictiveParams = self.params
         self.history.add(obs.arrivals)
         mean = self.history.load(self.capacity)
-        trend = self.history.load_at(self.capacity, now + p.horizon_s)
-        backlog = obs.queued * (self.history.mean_work(self.capacity) or 0.0) / p.horizon_s
+        horizon = max(p.horizon_s, obs.cold_start_s)  # a replica asked for now serves no sooner
+        trend = self.history.load_at(self.capacity, now + horizon)
+        backlog = obs.queued * (self.history.mean_work(self.capacity) or 0.0) / horizon
         load = max(mean, trend) + backlog
         desired = math.ceil(load * (1 + p.headroom) - 1e-9)
-        inputs = {"load_mean": mean, "load_trend": trend, "load_backlog": backlog, "load": load}
+        inputs = {"load_mean": mean, "load_trend": trend, "load_backlog": backlog, "load": load, "horizon_s": horizon}
         return desired, f"forecast load {load:.2f} replicas x {1 + p.headroom:g} headroom: {desired}", inputs
 
 

@@ -27,7 +27,6 @@ replicas, so its cost per trace second is a full day's).
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import resource
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 from autoscaling.policies import AutoscaleConfig
 from metrics.definitions import SLO
 from replica.config import EngineConfig
+from replica.kernels.cpu import cpu_info
 from sim.autoscaling import AutoscalingSimulator
 from sim.cost_model import FittedCostModel
 from sim.simulator import SimulationConfig, measure_capacity
@@ -48,17 +48,6 @@ BOUNDS = {"min_replicas": 1, "cooldown_s": 30.0, "period_s": 1.0}
 DAY_S = 86_400.0
 SIZING_SAMPLE = 10_000  # length draws the mean work of a request is taken over
 BURST_SHARE = 1 / 720  # a burst lasts this share of the day: 2 minutes of a real one
-
-
-def cpu_model() -> str:
-    """The CPU's model name as the kernel reports it (the platform's processor string elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -120,7 +109,7 @@ def main() -> None:
         f"(TTFT <= {slo.ttft:g} s, TPOT <= {slo.tpot:g} s), scale events {run.scale_events}"
     )
     total = time.perf_counter() - started
-    print(f"peak memory (max RSS) {peak_rss:.0f} MiB; CPU {cpu_model()}")
+    print(f"peak memory (max RSS) {peak_rss:.0f} MiB; CPU {cpu_info().describe()}")
     if args.day_s >= DAY_S:
         print(f"total {total:.0f} s (target: under 300 s): {'MET' if total < 300 else 'MISSED'}")
     else:  # the traffic and the replicas per trace second are a full day's: the cost grows with its length

@@ -176,7 +176,8 @@ class AutoscalerActor:
             for r in serving
             if r.replica_id in view.reports and r.replica_id not in view.down
         )
-        observation = ScalingObservation(len(serving), reports, view.arrivals, starting, draining)
+        cold_start = self._cold_starts[-1].ready_s if self._cold_starts else 0.0
+        observation = ScalingObservation(len(serving), reports, view.arrivals, starting, draining, cold_start)
         decision = self.policy.decide(observation)
         if decision.change > 0:
             for _ in range(decision.change):

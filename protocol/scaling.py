@@ -36,13 +36,16 @@ class ScalingObservation:
     load report of each that has sent one. `starting` replicas were asked for and take traffic
     once their cold start ends; `draining` ones take nothing new and leave once what they hold
     has finished. Policies count `current` (serving + starting) as the cluster's size, so they
-    do not ask again for replicas already on their way."""
+    do not ask again for replicas already on their way. `cold_start_s` is how long the last
+    replica took from being asked for to taking traffic (0 before one has started): a replica
+    asked for now serves no sooner, so a policy that looks ahead looks at least that far."""
 
     serving: int
     reports: tuple[LoadReport, ...]
     arrivals: ArrivalWindow
     starting: int = 0
     draining: int = 0
+    cold_start_s: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.reports) > self.serving:

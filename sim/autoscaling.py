@@ -124,6 +124,7 @@ class AutoscalingSimulator(Simulator):
         self.spans = {r.replica_id: ReplicaSpan(r.replica_id, first, first) for r in self.replicas}
         self._starting: list[str] = []  # in the order asked for: equal cold starts end in that order
         self._draining: set[str] = set()
+        self._measured_cold_start = False
         self._next_decision = autoscale.period_s
         self._window = _Window()
 
@@ -153,7 +154,10 @@ class AutoscalingSimulator(Simulator):
             if v.replica_id not in self.router.down and v.report is not None
         )
         serving = len(self.router.replica_ids) - len(self._draining)
-        return ScalingObservation(serving, reports, self._arrivals_since(now), len(self._starting), len(self._draining))
+        cold_start = self.cold_start_s if self._measured_cold_start else 0.0  # as on Ray: known once one started
+        return ScalingObservation(
+            serving, reports, self._arrivals_since(now), len(self._starting), len(self._draining), cold_start
+        )
 
     def _arrivals_since(self, now: float) -> ArrivalWindow:
         """The requests admitted since the last decision (the newest entries of the arrivals)."""
@@ -187,6 +191,7 @@ class AutoscalingSimulator(Simulator):
             self.router.max_in_flight, self.router.max_in_flight_per_replica * len(self.router.replica_ids)
         )
         self.spans[replica_id].ready = now
+        self._measured_cold_start = True
         self._report(replica, force=True)
 
     def _shrink(self, count: int, now: float) -> None:

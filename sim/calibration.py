@@ -47,6 +47,7 @@ from protocol.clock import Clock
 from replica.config import EngineConfig
 from replica.engine import Engine, Runner
 from replica.errors import ConfigError
+from replica.kernels.cpu import cpu_info
 from replica.model.loader import DEFAULT_MODEL
 from replica.scheduling.scheduler import SchedulerOutput
 from sim.cost_model import FEATURES, FittedCostModel, StepFeatures
@@ -138,19 +139,9 @@ def calibration_machine(model: str, dtype: str, device: str, num_slots: int, rep
     and how many replicas were measured side by side."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        cpu = next(
-            (
-                line.split(":", 1)[1].strip()
-                for line in cpuinfo.read_text().splitlines()
-                if line.startswith("model name")
-            ),
-            cpu,
-        )
+    cpu = cpu_info().model
     return {
-        "cpu": cpu,
+        "cpu": cpu if cpu != "unknown CPU" else platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

@@ -6,6 +6,7 @@ with a step in load and shrinks after it for fewer replica-seconds than static p
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -163,6 +164,19 @@ def test_predictive_follows_a_rising_trend_past_its_horizon():
     # loads 1..5 at midpoints 0.5..4.5: the line is load = t + 0.5, so 10.5 at t = 10
     assert decision.inputs["load_mean"] == pytest.approx(3.0)
     assert decision.inputs["load_trend"] == pytest.approx(10.5) and decision.desired == 11
+
+
+def test_predictive_looks_at_least_one_measured_cold_start_ahead():
+    """The same rising arrivals as above with a 5 s horizon, but replicas took 15 s to start:
+    one asked for now serves no sooner, so the trend is read 15 s ahead (load 20.5, not 10.5)."""
+    clock = FakeClock()
+    p = policy("predictive", clock, window_s=5, horizon_s=5, headroom=0.0)
+    for t in range(5):
+        clock.advance(1)
+        obs = observe([report(0)], requests=10 * (t + 1), start=t, end=t + 1)
+        decision = p.decide(dataclasses.replace(obs, cold_start_s=15.0))
+    assert decision.inputs["horizon_s"] == 15.0
+    assert decision.inputs["load_trend"] == pytest.approx(20.5) and decision.desired == 16
 
 
 def test_predictive_counts_waiting_work_over_its_horizon():
