@@ -11,7 +11,7 @@ replica's measured capacity: the curve's peak offered load, in replicas kept exa
 a burst near it is capped there. Replicas are those of `benchmarks.autoscaling_comparison`
 (8 slots, chunked batching) priced by the shipped fitted cost model at its own speed (SmolLM2
 on CPU; `--speedup` runs it faster), with a `--cold-start` (10 s), a decision each second and a
-30 s cooldown; the policy reads a 60 s window and forecasts 15 s ahead (past the cold start).
+30 s cooldown; the policy reads a 60 s window and forecasts 15 s ahead, or one cold start if longer.
 
 Prints the offered traffic, then the simulation's wall time and requests simulated per wall
 second, the most replicas at once, replica-seconds, SLO attainment (TTFT <= 10 s, TPOT <= 2 s:

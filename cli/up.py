@@ -198,7 +198,7 @@ def disaggregation_args(p: argparse.ArgumentParser) -> None:
     d.add_argument(
         "--kv-link",
         choices=list(KV_LINKS),
-        default="same_node",
+        default=next(name for name, link in KV_LINKS.items() if link == fields["kv_link"].default),
         metavar="LINK",
         help=f"{', '.join(KV_LINKS)}: the link the queue_aware decider prices a hand-over's K/V on "
         "(as an experiment's kv_link)",

@@ -7,7 +7,8 @@ Why wrappers and not torch's profiler: the C++ kernels are not torch operators (
 does not see them) and the Python around the forward pass (scheduler, metadata, sampling) is
 what the host share is about. Each part's callables are wrapped for the steps measured and
 unwrapped after; the wrappers' own cost, measured at the start, is taken off the part that
-made the calls, so the figures are those of the unwrapped step.
+made the calls, so the figures are about those of the unwrapped step (a wrapper's cost that
+falls inside the part it wraps stays there: host time reads a little low).
 """
 
 from __future__ import annotations

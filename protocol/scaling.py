@@ -147,5 +147,5 @@ class AutoscalerStatus:
     cold_starts: list[ColdStart]
     drained_finished: int  # requests of drained replicas that finished there
     drained_moved: int  # and those handed back to their clients to resume elsewhere
-    drained_kv_moved: int  # of those, the ones that moved with their K/V (fetched, not computed again)
+    drained_kv_moved: int  # of those, the ones handed over with their K/V (the receiver may still compute them again)
     errors: list[str]

@@ -47,7 +47,7 @@ from protocol.clock import Clock
 from replica.config import EngineConfig
 from replica.engine import Engine, Runner
 from replica.errors import ConfigError
-from replica.kernels.cpu import cpu_info
+from replica.kernels.cpu import UNKNOWN_CPU, cpu_info
 from replica.model.loader import DEFAULT_MODEL
 from replica.scheduling.scheduler import SchedulerOutput
 from sim.cost_model import FEATURES, FittedCostModel, StepFeatures
@@ -141,7 +141,7 @@ def calibration_machine(model: str, dtype: str, device: str, num_slots: int, rep
 
     cpu = cpu_info().model
     return {
-        "cpu": cpu if cpu != "unknown CPU" else platform.processor() or platform.machine(),
+        "cpu": cpu if cpu != UNKNOWN_CPU else platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

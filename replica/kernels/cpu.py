@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+UNKNOWN_CPU = "unknown CPU"  # the model of a CPU /proc/cpuinfo does not name
+
 # Instructions that make bf16 matrix products fast (AVX-512 BF16 dot products, AMX tiles).
 FAST_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 # The flags worth printing next to a measurement (the rest do not change a matrix product).
@@ -36,7 +38,7 @@ class CpuInfo:
 def parse_cpuinfo(text: str) -> CpuInfo:
     """CpuInfo from the text of /proc/cpuinfo (the first processor's model and flags)."""
     lines = text.splitlines()
-    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown CPU")
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), UNKNOWN_CPU)
     flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
     cores = sum(1 for ln in lines if ln.startswith("processor")) or 1
     return CpuInfo(model, frozenset(flags), cores)
@@ -47,4 +49,4 @@ def cpu_info(path: str = "/proc/cpuinfo") -> CpuInfo:
     try:
         return parse_cpuinfo(Path(path).read_text())
     except OSError:
-        return CpuInfo("unknown CPU", frozenset(), 1)
+        return CpuInfo(UNKNOWN_CPU, frozenset(), 1)
