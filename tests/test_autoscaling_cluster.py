@@ -31,6 +31,20 @@ def ray_local():
     ray.shutdown()
 
 
+def one_to_two(drain_timeout_s: float = 0.2, cooldown_s: float = 0.0, **params) -> AutoscaleConfig:
+    """Ray Serve's rule between 1 and 2 replicas, deciding every 0.25 s: fast enough that a
+    test sees a scale-up and a scale-down within seconds."""
+    return AutoscaleConfig(
+        policy="target_ongoing",
+        min_replicas=1,
+        max_replicas=2,
+        cooldown_s=cooldown_s,
+        period_s=0.25,
+        drain_timeout_s=drain_timeout_s,
+        params=params,
+    )
+
+
 def test_load_scales_up_and_quiet_drains_to_min_losing_no_token(ray_local):
     """A busy phase then a quiet one through a cluster of 1 to 3 replicas: it grows past one
     replica, drains back to one, and every request ends with exactly an undisturbed run's
@@ -54,15 +68,7 @@ def test_a_replica_drained_under_load_hands_its_requests_on_exactly(ray_local, t
     with no token lost or repeated, the decoding ones with their K/V.
     `slotserve status` then shows the replica left serving, the decision that drained and the
     requests moved with their K/V."""
-    autoscale = AutoscaleConfig(
-        policy="target_ongoing",
-        min_replicas=1,
-        max_replicas=2,
-        cooldown_s=0.0,
-        period_s=0.25,
-        drain_timeout_s=0.2,
-        params={"target_ongoing_requests": 100, "downscale_delay_s": 6.0, "look_back_s": 0.5},
-    )
+    autoscale = one_to_two(target_ongoing_requests=100, downscale_delay_s=6.0, look_back_s=0.5)
     replica = ReplicaConfig(engine=EngineConfig(num_slots=4, max_seq_len=1024), fake_step_seconds=0.02)
     spec = ClusterSpec(
         num_replicas=2, replica=replica, store_path=str(tmp_path / "s.db"), health_period=0.25, autoscale=autoscale
@@ -125,15 +131,7 @@ def test_added_replicas_hear_arrivals_survive_a_router_restart_and_leave_local_r
     requests after it; it hears each word the router is given from then on, and adding it
     twice changes nothing; a router Ray restarts is given it back by the controller and routes
     to it; and once it is drained away, a client routing locally forgets it."""
-    autoscale = AutoscaleConfig(
-        policy="target_ongoing",
-        min_replicas=1,
-        max_replicas=2,
-        cooldown_s=0.0,
-        period_s=0.25,
-        drain_timeout_s=0.2,
-        params={"target_ongoing_requests": 1, "upscale_delay_s": 0.0, "downscale_delay_s": 3.0, "look_back_s": 0.5},
-    )
+    autoscale = one_to_two(target_ongoing_requests=1, upscale_delay_s=0.0, downscale_delay_s=3.0, look_back_s=0.5)
     engine = EngineConfig(policy="static", num_slots=2, max_seq_len=1024)
     spec = ClusterSpec(
         num_replicas=1,
@@ -206,8 +204,7 @@ def test_a_failed_sample_of_serves_replicas_loses_that_sample_only(monkeypatch):
     async def sample() -> list:
         changes: list = []
         sampler = asyncio.ensure_future(serve_baseline._sample_replicas(0.001, changes))
-        while len(changes) < 2 and not sampler.done():
-            await asyncio.sleep(0.005)
+        await asyncio.to_thread(wait_until, lambda: len(changes) >= 2 or sampler.done(), 10, "two samples", 0.005)
         sampler.cancel()
         return changes
 
@@ -227,13 +224,13 @@ def test_ray_serve_autoscaler_grows_the_same_engine_and_its_replica_seconds_are_
     from metrics.store import MetricsStore
     from workloads import bursty_mix
 
-    autoscale = AutoscaleConfig(
-        policy="target_ongoing",
-        min_replicas=1,
-        max_replicas=2,
-        period_s=0.25,
+    autoscale = one_to_two(
         drain_timeout_s=1.0,
-        params={"target_ongoing_requests": 1, "upscale_delay_s": 0.0, "downscale_delay_s": 1.0, "look_back_s": 0.5},
+        cooldown_s=AutoscaleConfig.model_fields["cooldown_s"].default,
+        target_ongoing_requests=1,
+        upscale_delay_s=0.0,
+        downscale_delay_s=1.0,
+        look_back_s=0.5,
     )
     replica = ReplicaConfig(engine=EngineConfig(num_slots=4, max_seq_len=256), fake_step_seconds=0.02)
     path = tmp_path / "serve.db"

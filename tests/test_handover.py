@@ -213,7 +213,8 @@ def test_a_drain_hands_decoding_requests_over_and_keeps_them_until_taken():
 
     async def take_while_waiting():
         waiting = asyncio.ensure_future(serving.handovers_taken(60.0))
-        await asyncio.sleep(0.2)
+        for _ in range(20):  # let the wait run until it blocks: on the take, or the expiry 30 s on
+            await asyncio.sleep(0)
         assert not waiting.done()  # kept for the replica the client moves it to
         taken = serving.take_handover("a")
         await asyncio.wait_for(waiting, 5)
