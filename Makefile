@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "from replica.model.loader import default_model_dir; print('default model:', default_model_dir())"
 	# A C++ compiler and ninja build the CPU kernels once (about 40 s each; torch's operators serve without them).
 	command -v c++ >/dev/null && command -v ninja >/dev/null || ! command -v apt-get >/dev/null || apt-get install -y -q g++ ninja-build || { apt-get update -q && apt-get install -y -q g++ ninja-build; }
-	$(PY) -c "from replica.kernels import decode_attention as a, fused_ops as f, int8_matmul as i; print('CPU kernels built:', all(m.available('cpu') for m in (a, f, i)))"
+	$(PY) -c "from replica.kernels import decode_attention as a, fused_ops as f, skinny_matmul as i; print('CPU kernels built:', all(m.available('cpu') for m in (a, f, i)))"
 	# Debian's Prometheus server: the live-metrics test scrapes a local cluster with it.
 	command -v prometheus >/dev/null || ! command -v apt-get >/dev/null || apt-get install -y -q prometheus || { apt-get update -q && apt-get install -y -q prometheus; }
 	touch $(STAMP)

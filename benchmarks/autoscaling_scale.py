@@ -12,13 +12,16 @@ a burst near it is capped there. Replicas are those of `benchmarks.autoscaling_c
 (8 slots, chunked batching) priced by the shipped fitted cost model at its own speed (SmolLM2
 on CPU; `--speedup` runs it faster), with a `--cold-start` (10 s), a decision each second and a
 30 s cooldown; the policy reads a 60 s window and forecasts 15 s ahead, or one cold start if longer.
+The run keeps every request's trace but no step records, routing decisions or output tokens
+(`keep_records=False`), so its memory grows with the requests alone, by their traces.
 
 Prints the offered traffic, then the simulation's wall time and requests simulated per wall
 second, the most replicas at once, replica-seconds, SLO attainment (TTFT <= 10 s, TPOT <= 2 s:
 the comparison's limits at the cost model's own speed), scale events, the process's peak memory
 (max RSS), the CPU model, and the total wall time against the 5-minute target; for a shorter
-day, the full day's time extrapolated from it (a compressed day has a full day's rate and
-replicas, so its cost per trace second is a full day's).
+day, the full day's requests, time and memory extrapolated from it (a compressed day has a full
+day's rate and replicas, so its cost per trace second is a full day's; its memory past what the
+imports took is counted as growing with its requests, so the memory estimate is an upper bound).
 
     .venv/bin/python -m benchmarks.autoscaling_scale                      # a full day, 256 replicas
     .venv/bin/python -m benchmarks.autoscaling_scale --day-s 300          # a 5-minute compressed day
@@ -61,6 +64,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     started = time.perf_counter()
+    imported_rss = max_rss_mib()
     cost = FittedCostModel.load(COST_MODEL).scaled(1 / args.speedup)
     capacity = measure_capacity(SimulationConfig(num_replicas=1, engine=ENGINE), cost)
     day = DiurnalDay(
@@ -89,7 +93,13 @@ def main() -> None:
     )
     autoscale = AutoscaleConfig(policy="predictive", params=PARAMS, max_replicas=args.max_replicas, **BOUNDS)
     sim = AutoscalingSimulator(
-        workload, SimulationConfig(num_replicas=1, engine=ENGINE), autoscale, cost, capacity, args.cold_start
+        workload,
+        SimulationConfig(num_replicas=1, engine=ENGINE),
+        autoscale,
+        cost,
+        capacity,
+        args.cold_start,
+        keep_records=False,
     )
     simulated = time.perf_counter()
     run = sim.simulate()
@@ -97,8 +107,8 @@ def main() -> None:
     traces = run.simulation.traces
     slo = SLO(ttft=10.0, tpot=2.0)
     attainment = sum(1 for t in traces if slo.met_by(t)) / len(traces)
-    steps = sum(len(s) for s in run.simulation.steps.values())
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
+    steps = sum(run.simulation.step_counts.values())
+    peak_rss = max_rss_mib()
     print(
         f"simulated {len(traces)} requests and {steps} engine steps in {simulated:.1f} s: "
         f"{len(traces) / simulated:.0f} requests/s, {steps / simulated:.0f} steps/s"
@@ -113,8 +123,17 @@ def main() -> None:
     if args.day_s >= DAY_S:
         print(f"total {total:.0f} s (target: under 300 s): {'MET' if total < 300 else 'MISSED'}")
     else:  # the traffic and the replicas per trace second are a full day's: the cost grows with its length
-        estimate = simulated * DAY_S / args.day_s
-        print(f"total {total:.0f} s; a {DAY_S:,.0f} s day at this rate: about {estimate:.0f} s (target: under 300 s)")
+        scale = DAY_S / args.day_s
+        memory = imported_rss + (peak_rss - imported_rss) * scale
+        print(
+            f"total {total:.0f} s; a {DAY_S:,.0f} s day at this rate: about {len(traces) * scale:,.0f} requests "
+            f"in {simulated * scale:.0f} s (target: under 300 s), max RSS about {memory / 2**10:.1f} GiB"
+        )
+
+
+def max_rss_mib() -> float:
+    """The process's peak resident memory so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
 
 
 if __name__ == "__main__":

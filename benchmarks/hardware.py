@@ -473,9 +473,13 @@ def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], ar
         "Weight-only int8 is opt-in (`EngineConfig(int8_rows=N)`, `slotserve bench --int8-rows N`): it "
         "changes outputs (the bench reports its greedy agreement) and pays where a step reads its "
         "weights for few rows (the table says up to which batch); N is a bound, and each weight shape's int8 "
-        "copy serves only up to the row count where it was measured faster than the dense product on the "
-        "machine at hand (`replica.model.linear.int8_crossover`, cached in "
-        "`~/.cache/slotserve/int8_crossover.json`; the rows below force int8 at every batch).",
+        "copy serves only up to the row count where it was measured faster than the dense paths on the "
+        "machine at hand (`replica.model.linear.crossover`, cached in "
+        "`~/.cache/slotserve/crossover.json`; the rows below force int8 at every batch). Dense steps of a "
+        "few rows take the skinny kernel (`replica/kernels/skinny_matmul.py`: a plain row-major copy of the "
+        "weights read once for all the step's rows, fp32 FMAs or AVX512_BF16 dot products, fp32 sums), up to "
+        "the row count measured faster than oneDNN's packed product by the same crossover; larger steps, and "
+        "every step on a weight where it never pays, take the packed product.",
         "",
         "| optimisation | without ms | with ms | speedup |",
         "|---|---:|---:|---:|",

@@ -56,7 +56,9 @@ METRICS_RUNTIME_ENV = {"env_vars": {"RAY_metrics_report_interval_ms": str(EXPORT
 # Handles of the actors this process started and owns (not detached): Ray stops an owned actor
 # once its owner holds no handle to it, and the router finds them by name, holding none of ours.
 _owned: dict[str, object] = {}
-READY_TIMEOUT = 600  # seconds: a replica converting the default model on first use takes ~40 s
+# Seconds from the replicas' start to the router's first passed health check of each: a replica
+# converting the default model and building its kernels on first use takes minutes on a busy machine.
+READY_TIMEOUT = 600
 
 
 class ClusterSpec(PoolsSpec):
@@ -242,10 +244,14 @@ def _leftovers() -> dict[str, object]:
     return found
 
 
-def start_cluster(spec: ClusterSpec, detached: bool = False) -> Deployment:
-    """Start the store, the replicas and the router. If a router is already up this is an
-    error; if only its leftovers are (the router died for good), they are recovered: the
-    store and each live replica with this spec's config are kept, the rest started anew."""
+def start_cluster(spec: ClusterSpec, detached: bool = False, ready_timeout: float = READY_TIMEOUT) -> Deployment:
+    """Start the store, the replicas and the router, and return once the router routes to every
+    replica (each has passed its first health check; the router holds a replica `starting`
+    until then), so a request sent the moment this returns is not refused for want of one up. A
+    replica not up within `ready_timeout` seconds stops the cluster with an error naming it.
+    If a router is already up this is an error; if only its leftovers are (the router died for
+    good), they are recovered: the store and each live replica with this spec's config are
+    kept, the rest started anew."""
     lifetime = {"lifetime": "detached"} if detached else {}
     leftovers = _leftovers()
     if ROUTER_ACTOR_NAME in leftovers:
@@ -293,9 +299,11 @@ def start_cluster(spec: ClusterSpec, detached: bool = False) -> Deployment:
         pools=spec.pd_pools(),
         tpot_slo=spec.slo.tpot,
     )
+    deadline = time.monotonic() + ready_timeout
     try:
-        ray.get([r.attach.remote(router, store) for r in replicas.values()], timeout=READY_TIMEOUT)
-    except ray.exceptions.RayError as err:
+        ray.get([r.attach.remote(router, store) for r in replicas.values()], timeout=ready_timeout)
+        _wait_until_up(router, list(replicas), deadline, ready_timeout)
+    except (ray.exceptions.RayError, ClusterError) as err:
         stop_cluster(drain_timeout=0)
         raise ClusterError(f"replicas failed to start: {err}") from None
     owned = {ROUTER_ACTOR_NAME: router, STORE_ACTOR_NAME: store, **replicas}
@@ -320,6 +328,18 @@ def start_cluster(spec: ClusterSpec, detached: bool = False) -> Deployment:
         _owned.clear()
         _owned.update(owned)
     return Deployment(router, replicas, store)
+
+
+def _wait_until_up(router: ActorHandle, replica_ids: list[str], deadline: float, timeout: float) -> None:
+    """Until the router routes to every replica (its first health check passed); ClusterError
+    naming those still down, and why, at `deadline` (`timeout` seconds from the start)."""
+    waiting = replica_ids
+    while waiting := [r for r in waiting if not ray.get(router.is_up.remote(r), timeout=60)]:
+        if time.monotonic() > deadline:
+            down = ray.get(router.status.remote(), timeout=60)["down"]
+            named = ", ".join(f"{r} ({down.get(r, 'up')})" for r in waiting)
+            raise ClusterError(f"{named} passed no health check within {timeout:g} s of the start")
+        time.sleep(0.05)
 
 
 def start_replica(spec: ClusterSpec, index: int, detached: bool) -> ActorHandle:

@@ -122,8 +122,9 @@ def bench(path: Path) -> str:
                 f"{b['useful_tokens_per_s']:.1f} tok/s{ratios}"
             )
     for h in data.get("host_overhead", []):
+        unit = ("row" if h["step"] == "decode" else "token") + ("" if h["rows"] == 1 else "s")
         summary.append(
-            f"host overhead, {h['dtype']} {h['step']} step of {h['rows']} tokens: {h['host_ms']:.2f} of "
+            f"host overhead, {h['dtype']} {h['step']} step of {h['rows']} {unit}: {h['host_ms']:.2f} of "
             f"{h['step_ms']:.2f} ms ({h['host_share']:.0%}) outside matrix products and attention"
         )
     d1 = data.get("decode1")

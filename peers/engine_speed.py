@@ -319,11 +319,11 @@ def _decode_step(job: Job) -> list[BenchRow]:
                 _sync(device)
                 times.append(time.perf_counter() - t)
     else:
-        steps = DECODE_STEPS + PROFILE_STEPS
-        engine = _engine(job, job.slots, DECODE_PROMPT_LEN + steps + 2, "mixed")
+        max_tokens = step_parts.decode_max_tokens(DECODE_STEPS + PROFILE_STEPS)  # none ends in a measured step
+        engine = _engine(job, job.slots, DECODE_PROMPT_LEN + max_tokens, "mixed")
         device, dtype = engine.runner.device, engine.runner.dtype
         for i in range(job.slots):
-            engine.add_request(_decode_prompt(i), {"max_tokens": steps + 1, "ignore_eos": True})
+            engine.add_request(_decode_prompt(i), {"max_tokens": max_tokens, "ignore_eos": True})
         engine.step()  # the prefill
         for _ in range(DECODE_STEPS):
             times.append(engine.step().record.duration)  # the step ends with its sampled tokens on the host

@@ -126,6 +126,15 @@ def wrapped(engine: Engine, parts: Parts) -> Iterator[Callable[[], object]]:
                 setattr(obj, name, old)
 
 
+def decode_max_tokens(steps: int) -> int:
+    """The `max_tokens` that keeps a request decoding through `steps` measured decode steps after
+    its prefill step: the prefill samples the first token and each step one more, so with
+    `steps + 1` the last step measured would also finish every request (freeing its slot and
+    detokenizing its end), host work no other decode step does. One more token keeps every
+    measured step a plain decode, as `benchmarks/step_profile.py`'s engines are."""
+    return steps + 2
+
+
 def measure(engines: Iterator[Engine], steps: int, wrapper_s: float) -> dict[str, float]:
     """Seconds per step by part (and "step", "host") over `steps` steps, each the next step of
     `next(engines)` (one engine stepped on for decodes, a fresh one per prefill)."""

@@ -17,6 +17,16 @@ that reports a failed or stalled loop is killed so Ray restarts it; a replica Ra
 attached to this router again and marked up only once its health check passes. A replica being
 drained stays down until it is gone.
 
+A replica that has not answered once yet is `starting` (down, routed nothing): those a new
+router is created with, and each one `add_replica` brings. Its actor answers only once it is
+built, and building one (loading a model, compiling kernels) may take minutes on a busy
+machine, so its silence is not held against it: `health_timeout` applies from its first answer
+on, as Kubernetes' startup probe precedes its liveness probe. Whoever started it bounds the
+start (`cluster.deploy.start_cluster`, which returns only once every replica is up, and the
+autoscaling controller's `start_timeout`). Requests meanwhile go to the replicas that are up; a
+router Ray restarted takes the replicas it was created with as up, since they had answered the
+router it replaces.
+
 Scaling: the autoscaling controller (`cluster.autoscaler`) reads `scaling_view` every decision
 period (the last load reports, the requests in flight, the new requests routed since its last
 look), adds a replica it started with `add_replica` (down, `starting`, until the health check
@@ -99,6 +109,12 @@ class RouterActor:
         self._telemetry = telemetry(self._router) if telemetry else RouterTelemetry()
         for replica_id in replica_handles.keys() - self._handles.keys():
             self._router.mark_down(replica_id, "gone")
+        # not answered a health question yet (see the module docstring); without health checks
+        # nothing would mark them up, so they are taken as up from the start
+        self._starting: set[str] = set()
+        if health_period is not None and not restarted:
+            for replica_id in self._handles:
+                self._start(replica_id)
         self._bound_given = max_in_flight is not None  # else the bound in all follows the replica count
         # new requests routed since the last scaling view: count, prompt tokens, max_tokens
         self._window_start = time.time()
@@ -187,7 +203,7 @@ class RouterActor:
             return
         self._handles[replica_id] = _actor(actor_name)
         self._router.add_replica(replica_id)
-        self._router.mark_down(replica_id, "starting")
+        self._start(replica_id)
         self._follow_replica_count()
         self._tell_arrivals_done([replica_id])
 
@@ -210,7 +226,7 @@ class RouterActor:
             return
         self._router.remove_replica(replica_id)
         self._handles.pop(replica_id, None)
-        for held in (self._draining, self._restarting):
+        for held in (self._draining, self._restarting, self._starting):
             held.discard(replica_id)
         self._health.pop(replica_id, None)
         self._follow_replica_count()
@@ -219,12 +235,28 @@ class RouterActor:
         """Whether the replica is routed to (known and not down)."""
         return replica_id in self._handles and replica_id not in self._router.down
 
+    def _start(self, replica_id: str) -> None:
+        """Route nothing to the replica until its first health answer passes (`starting`)."""
+        self._starting.add(replica_id)
+        self._router.mark_down(replica_id, "starting")
+
     def _follow_replica_count(self) -> None:
         if not self._bound_given:
             self._router.max_in_flight = self._router.max_in_flight_per_replica * len(self._handles)
 
-    def apply_health(self, answers: dict[str, HealthReport | Unreachable]) -> None:
-        """The watcher's findings put into effect (a replica removed meanwhile is left out)."""
+    def apply_health(
+        self, answers: dict[str, HealthReport | Unreachable], silent: dict[str, Unreachable] | None = None
+    ) -> None:
+        """The watcher's findings put into effect (a replica removed meanwhile is left out):
+        `answers`, each replica's health or the error its question raised (dead, broken), and
+        `silent`, the replicas that have not answered within `health_timeout`. A starting
+        replica's silence leaves it starting (the module docstring says why)."""
+        self._starting -= answers.keys()  # they answered: from now on each is held to health_timeout
+        for replica_id, quiet in (silent or {}).items():
+            if replica_id in self._starting:
+                self._health[replica_id] = Unreachable(replica_id, "starting: no health answer yet", quiet.time)
+            else:
+                answers = {**answers, replica_id: quiet}
         answers = {replica_id: a for replica_id, a in answers.items() if replica_id in self._handles}
         self._health.update(answers)
         for replica_id, answer in answers.items():
@@ -232,7 +264,7 @@ class RouterActor:
                 continue
             if isinstance(answer, HealthReport) and answer.healthy:
                 self._restarting.discard(replica_id)
-                if not answer.attached:  # restarted by Ray: attach now, mark up on the next healthy answer
+                if not answer.attached:  # restarted by Ray, or new: attach now, mark up on the next healthy answer
                     me = ray.get_runtime_context().current_actor
                     self._handles[replica_id].attach.remote(me, self._store, self._run_id)
                     self._tell_arrivals_done([replica_id])
@@ -259,6 +291,7 @@ class RouterActor:
                 if replica_id not in pending:
                     pending[replica_id] = (handle.health.remote(), now)
             answers: dict[str, HealthReport | Unreachable] = {}
+            silent: dict[str, Unreachable] = {}
             ready, _ = ray.wait([ref for ref, _ in pending.values()], num_returns=len(pending), timeout=0.5)
             for replica_id, (ref, asked) in list(pending.items()):
                 if ref in ready:
@@ -269,9 +302,9 @@ class RouterActor:
                         why = f"no health answer: {type(err).__name__}"
                         answers[replica_id] = Unreachable(replica_id, why, time.time())
                 elif now - asked > timeout:
-                    answers[replica_id] = Unreachable(replica_id, f"no health answer within {timeout:g} s", time.time())
-            if answers:
-                me.apply_health.remote(answers)
+                    silent[replica_id] = Unreachable(replica_id, f"no health answer within {timeout:g} s", time.time())
+            if answers or silent:
+                me.apply_health.remote(answers, silent)
 
     def set_policy(self, policy: str, tpot_slo: float | None = None) -> None:
         """Switch routing policy (and TPOT SLO) between runs (see `Router.set_policy`)."""
@@ -295,6 +328,7 @@ class RouterActor:
             "decisions_dropped": self._decisions.dropped,
             "decisions_lost": self._decisions.failed,
             "draining": sorted(self._draining),
+            "starting": sorted(self._starting),
             "restarts_asked": self._restarts_asked,
             "health": dict(self._health),
         }

@@ -13,6 +13,14 @@ run the same objects.
   delays only this request, by the prefill replica's backlog and the hand-over. It
   disaggregates past the threshold only when that is the smaller delay, so it does not where
   it does not pay (an idle decode pool, a slow link).
+
+A prefill token is priced at what each replica's steps cost: the `c_prefill` of the
+`protocol.cost.StepPricing` on its load reports (a fake replica's cost model, which an
+experiment's `cluster.cost_model` or `ClusterSpec.replica.fake_cost` gives it and the simulator
+pays too), the decode replica's for a colocated prefill and the prefill replica's for a
+disaggregated one, so the comparison uses the prices the replicas pay, each at its own speed.
+A replica whose reports carry no pricing (a real model, whose speed no cost model states) is
+priced at `PdCosts.prefill_seconds_per_token`.
 """
 
 from __future__ import annotations
@@ -28,20 +36,29 @@ class PdView:
     """One request and the replicas picked for it: `uncached_tokens` of its prompt not in the
     prefill replica's prefix cache, the K/V bytes a hand-over of its prompt sends, the requests
     on the decode replica (running by its last report, or routed there since: those a colocated
-    prefill would stall), and the prompt tokens the prefill replica has yet to compute."""
+    prefill would stall), the prompt tokens the prefill replica has yet to compute, and the
+    seconds a prefill token costs on each replica by its reported pricing (None: it reports
+    none)."""
 
     uncached_tokens: int
     kv_bytes: int
     decode_running: int
     prefill_pending_tokens: int
+    decode_seconds_per_token: float | None = None
+    prefill_seconds_per_token: float | None = None
 
 
 @dataclass(frozen=True)
 class PdCosts:
-    """What the queue-aware rule prices with: seconds per prefill token on a replica, and the link."""
+    """What the queue-aware rule prices with: the link, and the seconds per prefill token of a
+    replica that reports no pricing (a rough figure for a real model; the one default)."""
 
     prefill_seconds_per_token: float = 2e-4
     link: KvLink = SAME_NODE
+
+    def per_token(self, reported: float | None) -> float:
+        """A replica's seconds per prefill token: as it reports, else the fallback."""
+        return self.prefill_seconds_per_token if reported is None else reported
 
 
 class ThresholdDecider:
@@ -67,12 +84,11 @@ class QueueAwareDecider(ThresholdDecider):
     def disaggregate(self, view: PdView) -> bool:
         if not super().disaggregate(view):
             return False
-        per_token = self.costs.prefill_seconds_per_token
-        colocated = view.uncached_tokens * per_token * (1 + view.decode_running)
-        disaggregated = (view.prefill_pending_tokens + view.uncached_tokens) * per_token + self.costs.link.seconds(
-            view.kv_bytes
+        colocated = view.uncached_tokens * self.costs.per_token(view.decode_seconds_per_token)
+        prefill = (view.prefill_pending_tokens + view.uncached_tokens) * self.costs.per_token(
+            view.prefill_seconds_per_token
         )
-        return disaggregated < colocated
+        return prefill + self.costs.link.seconds(view.kv_bytes) < colocated * (1 + view.decode_running)
 
 
 PD_DECIDERS: Registry[type[ThresholdDecider]] = Registry.of_named("P/D decider", (ThresholdDecider, QueueAwareDecider))

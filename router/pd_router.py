@@ -81,6 +81,8 @@ class PdRouter(Router):
             # (an idle replica reports again only after its next step) would say it is empty.
             decode_running=max(decode.report.running if decode.report is not None else 0, decode.in_flight),
             prefill_pending_tokens=prefill.report.prefill_tokens_pending if prefill.report is not None else 0,
+            decode_seconds_per_token=_prefill_price(decode),
+            prefill_seconds_per_token=_prefill_price(prefill),
         )
 
     def set_policy(self, policy: str, tpot_slo: float | None = None) -> None:
@@ -105,3 +107,9 @@ class PdRouter(Router):
             "disaggregated": self.disaggregated,
             "colocated": self.colocated,
         }
+
+
+def _prefill_price(view: ReplicaView) -> float | None:
+    """Seconds per prefill token by the pricing on the replica's last report (None: it has none)."""
+    report = view.report
+    return None if report is None or report.pricing is None else report.pricing.cost.c_prefill

@@ -107,6 +107,8 @@ class AutoscalingSimulator(Simulator):
         capacity: Capacity | None = None,
         cold_start_s: float = 10.0,
         check_invariants: bool = False,
+        *,
+        keep_records: bool = True,
     ):
         if not autoscale.min_replicas <= config.num_replicas <= autoscale.max_replicas:
             raise ConfigError(
@@ -115,7 +117,7 @@ class AutoscalingSimulator(Simulator):
             )
         if cold_start_s < 0:
             raise ConfigError(f"cold_start_s must be >= 0, got {cold_start_s}")
-        super().__init__(workload, config, cost, check_invariants)
+        super().__init__(workload, config, cost, check_invariants, keep_records=keep_records)
         self.autoscale = autoscale
         self.cold_start_s = cold_start_s
         self.policy = make_autoscaling_policy(autoscale, self.clock, capacity)
@@ -184,7 +186,7 @@ class AutoscalingSimulator(Simulator):
         replica.engine.set_arrivals_done(self._arrivals_done)
         self.replicas.append(replica)
         self._by_id[replica_id] = replica
-        self._steps[replica_id] = []
+        self._track_steps(replica_id)
         self.router.add_replica(replica_id)
         # the router's bound over all replicas grows with them (it is set from the first ones)
         self.router.max_in_flight = max(
@@ -214,10 +216,8 @@ class AutoscalingSimulator(Simulator):
             replica = self._by_id[rid]
             if replica.busy or replica.engine.has_unfinished:
                 continue
-            steps = self._steps[rid]
             span = self.spans[rid]
-            last_step_end = steps[-1].start + steps[-1].duration if steps else span.drain_started
-            span.ended = max(span.drain_started, last_step_end)
+            span.ended = max(span.drain_started, self._step_ends.get(rid, span.drain_started))
             self._draining.discard(rid)
             self.router.remove_replica(rid)
 
@@ -251,9 +251,7 @@ def record_autoscaling(store: MetricsStore, run_id: int, result: AutoscalingResu
 def run_end(result: SimulationResult) -> float:
     """When the run's last step ended (or its last request, if that is later): the span over
     which every replica is counted."""
-    steps = [s.start + s.duration for records in result.steps.values() for s in records]
-    finishes = [t.finish_time for t in result.traces]
-    return max([0.0, *steps, *finishes])
+    return max([0.0, *result.step_ends.values(), *(t.finish_time for t in result.traces)])
 
 
 def static_replica_seconds(result: SimulationResult) -> float:

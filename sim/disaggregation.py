@@ -125,7 +125,7 @@ class PdSimulator(Simulator):
         while self._on_link and self._on_link[0][0] <= now:
             _, _, handover, source = heapq.heappop(self._on_link)
             self._deliver(handover, source, now)
-        self._decisions += self.router.drain_decisions()
+        self._take_decisions()
 
     def _deliver(self, handover: Handover, source: str, now: float) -> None:
         """Place a hand-over that reached the decode pool, or queue its retry if it is full."""

@@ -1,3 +1,5 @@
+# Over 400 lines: the event loop, the replicas it steps, the router it feeds and what it records
+# share one virtual clock.
 """A discrete-event simulator of the cluster: N replicas behind one router, on virtual time.
 
 Nothing here re-implements a policy. Each simulated replica is a real `replica.engine.Engine`
@@ -27,6 +29,14 @@ TTFT (one short step) misses a large part.
 
 Left out on purpose: a decision's own time (tens of microseconds against steps of milliseconds);
 reports and completions reach the router at once.
+
+What a run keeps grows with its requests, not with its replicas times its length: every
+request's trace, decision and output tokens, but each decision's per-replica figures
+(`Decision.scores` and `in_flight`) only until `max_decision_figures` of them are kept (later
+decisions keep the chosen replica's alone, so a report then misses a replica that was never
+chosen and ran no step). With `keep_records=False` (a day on hundreds of replicas, judged by its
+traces alone) it keeps no step records, decisions or output tokens, only each replica's step
+count and last step end; such a run cannot be written to the store.
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ from protocol.errors import OverloadedError, SlotServeError
 from protocol.routing import RouteRequest
 from replica.config import EngineConfig
 from replica.engine import Engine, StepRecord, StepResult
-from replica.errors import InvariantViolation
+from replica.errors import ConfigError, InvariantViolation
 from replica.model.fake import CostModel, FlatCostModel, SimulationRunner
 from replica.scheduling.kv_events import with_kv_events
 from replica.scheduling.request import Request
@@ -58,6 +68,10 @@ from sim.replay import request_trace
 from workloads.capacity import Capacity, probe_capacity
 from workloads.schedule import ArrivalSchedule
 from workloads.workload import Workload, WorkloadRequest, request_prompt
+
+# Per-replica decision figures a run keeps: every shipped experiment's cells keep all of theirs,
+# while a day on 256 replicas would keep 512 a request.
+MAX_DECISION_FIGURES = 1_000_000
 
 
 class SimulationConfig(BaseModel):
@@ -85,7 +99,7 @@ class SimulationConfig(BaseModel):
         return ROUTING_POLICIES.check(policy)
 
 
-@dataclass
+@dataclass(slots=True)  # one a request: a day of them is millions
 class Arrival:
     """When a request was planned, what it asked for, and its index in the workload."""
 
@@ -101,10 +115,13 @@ class SimulationResult:
     cost: CostModel
     traces: list[RequestTrace]  # in arrival order, each with its replica (None if refused)
     steps: dict[str, list[StepRecord]]  # per replica, in step order
-    decisions: list[Decision]
+    decisions: list[Decision]  # per-replica figures past the run's bound: the chosen replica's
     arrivals: dict[str, Arrival]  # by request id
     token_ids: dict[str, list[int]] = field(default_factory=dict)  # output tokens, by request id
     errors: dict[str, str] = field(default_factory=dict)  # why a refused request was refused
+    step_counts: dict[str, int] = field(default_factory=dict)  # per replica, records kept or not
+    step_ends: dict[str, float] = field(default_factory=dict)  # each replica's last step end (if any)
+    records_kept: bool = True  # False: steps, decisions and token_ids are empty (`keep_records`)
 
 
 @dataclass
@@ -120,7 +137,8 @@ class _Replica:
 
 class Simulator:
     """One run: `Simulator(workload, config, cost).run()`. Set `check_invariants` to check
-    every replica's scheduler after every step (slower; tests do)."""
+    every replica's scheduler after every step (slower; tests do); `keep_records=False` and
+    `max_decision_figures` bound what the run keeps (see the module docstring)."""
 
     _STEP_END, _WAKE = 0, 1  # at equal times, step ends before timers
 
@@ -130,11 +148,18 @@ class Simulator:
         config: SimulationConfig | None = None,
         cost: CostModel | None = None,
         check_invariants: bool = False,
+        *,
+        keep_records: bool = True,
+        max_decision_figures: int = MAX_DECISION_FIGURES,
     ):
+        if max_decision_figures < 0:
+            raise ConfigError(f"max_decision_figures must be >= 0, got {max_decision_figures}")
         self.workload = workload
         self.config = config or SimulationConfig()
         self.cost = cost or FlatCostModel()
         self.check_invariants = check_invariants
+        self.keep_records = keep_records
+        self.max_decision_figures = max_decision_figures
         self.clock = FakeClock()  # the router's: global virtual time
         ids = [f"r{i}" for i in range(self.config.num_replicas)]
         self.router = self._make_router(ids)
@@ -145,12 +170,23 @@ class Simulator:
         self._seq = itertools.count()  # keeps equal-time events in the order they were made
         self._dirty: set[int] = set()  # replicas that may be able to start a step now
         self._arrivals_done = False
-        self._requests: dict[str, tuple[Request, str]] = {}
+        self._requests: dict[str, tuple[Request, str]] = {}  # until they end
+        self._token_ids: dict[str, list[int]] = {}
         self._done: dict[str, RequestTrace] = {}
         self._arrivals: dict[str, Arrival] = {}
         self._errors: dict[str, str] = {}
-        self._steps: dict[str, list[StepRecord]] = {rid: [] for rid in ids}
+        self._steps: dict[str, list[StepRecord]] = {}
+        self._step_counts: dict[str, int] = {}
+        self._step_ends: dict[str, float] = {}
+        for rid in ids:
+            self._track_steps(rid)
         self._decisions: list[Decision] = []
+        self._decision_figures = 0
+
+    def _track_steps(self, replica_id: str) -> None:
+        """Start the step records of a replica (one attached later too)."""
+        self._steps[replica_id] = []
+        self._step_counts[replica_id] = 0
 
     def _make_router(self, ids: list[str]) -> Router:
         """The router over the replicas (`sim.disaggregation`: one over two pools)."""
@@ -196,8 +232,11 @@ class Simulator:
             steps=self._steps,
             decisions=self._decisions,
             arrivals=self._arrivals,
-            token_ids={rid: list(req.output_token_ids) for rid, (req, _) in self._requests.items()},
+            token_ids=self._token_ids,
             errors=self._errors,
+            step_counts=self._step_counts,
+            step_ends=self._step_ends,
+            records_kept=self.keep_records,
         )
 
     def _next_time(self) -> float | None:
@@ -247,8 +286,25 @@ class Simulator:
             self._requests[rid] = (replica.engine.requests[rid], replica.replica_id)
             self._dirty.add(replica.index)
         if due:
-            self._decisions += self.router.drain_decisions()
+            self._take_decisions()
         self._tell_arrivals_done()
+
+    def _take_decisions(self) -> None:
+        """Keep the router's new decisions, their per-replica figures within the run's bound."""
+        decisions = self.router.drain_decisions()
+        if not self.keep_records:
+            return
+        for decision in decisions:
+            figures = len(decision.scores) + len(decision.in_flight)
+            if self._decision_figures + figures <= self.max_decision_figures:
+                self._decision_figures += figures
+            else:  # the bound is reached: no later decision keeps more than its choice's
+                self._decision_figures = self.max_decision_figures
+                chosen = decision.replica_id
+                decision = replace(
+                    decision, scores={chosen: decision.scores[chosen]}, in_flight={chosen: decision.in_flight[chosen]}
+                )
+            self._decisions.append(decision)
 
     def _route_request(self, rid: str, spec: WorkloadRequest, prompt: list[int]) -> RouteRequest:
         """What the router is told, as a client sends it: lengths, session, and the prompt's
@@ -289,11 +345,17 @@ class Simulator:
         replica.busy = False
         for output in result.outputs:
             if output.finished and output.handover is None:  # a hand-over is a subclass's to deliver
-                request, replica_id = self._requests[output.request_id]
+                request, replica_id = self._requests.pop(output.request_id)
                 self._done[output.request_id] = request_trace(request, output.time, replica_id)
+                if self.keep_records:
+                    self._token_ids[output.request_id] = request.output_token_ids
                 self.router.complete(output.request_id, output_len=request.num_output_tokens)
                 self.schedule.finished(self._arrivals[output.request_id].index, now)
-        self._steps[replica.replica_id].append(result.record)
+        record, rid = result.record, replica.replica_id
+        self._step_counts[rid] += 1
+        self._step_ends[rid] = record.start + record.duration
+        if self.keep_records:
+            self._steps[rid].append(record)
         self._report(replica)
         self._dirty.add(replica.index)
         self._tell_arrivals_done()
@@ -363,6 +425,8 @@ def record_simulation(
     the rows the cluster writes, the run marked simulated and `extra_config` added to its
     config, under `slo` (default: the SLO it was routed within, its config's); returns its run id."""
     config, workload = result.config, result.workload
+    if not result.records_kept:
+        raise ConfigError("the simulation kept no steps or decisions (keep_records=False): the store needs them")
     run_config = {
         "simulated": True,
         "num_replicas": config.num_replicas,

@@ -76,6 +76,27 @@ def test_fake_cluster_serves_streams_and_records(local_ray):
     assert store.run(run_id)["status"] == "complete"
 
 
+def test_start_cluster_returns_once_every_replica_is_up_or_names_those_that_are_not(local_ray):
+    """start_cluster returns only once the router routes to every replica (each passed its first
+    health check), so a request sent at once is served; replicas that pass none within
+    `ready_timeout` (here: the router's first check is a minute away) stop the cluster with an
+    error naming each and why."""
+    spec = ClusterSpec(num_replicas=2, replica=FAKE, store_path=str(local_ray / "s.db"), health_period=0.2)
+    deployment = start_cluster(spec)
+    assert ray.get(deployment.router.status.remote())["down"] == {}
+    with Client() as client:
+        assert len(client.generate([1, 2, 3], max_tokens=2, ignore_eos=True).token_ids) == 2
+
+    # The router gone for good: the next start keeps the (built) replicas and makes a router
+    # whose first health check comes only after the bound.
+    ray.kill(deployment.router)
+    checks_late = spec.model_copy(update={"health_period": 60.0})
+    named = r"replica-0 \(starting\), replica-1 \(starting\) passed no health check within 2 s of the start"
+    with pytest.raises(ClusterError, match=named):
+        start_cluster(checks_late, ready_timeout=2.0)
+    assert stop_cluster() == []  # the failed start stopped everything it started
+
+
 def test_bad_input_through_the_client_is_a_clear_error(local_ray):
     """Invalid fields fail fast at the client with the field named; an empty prompt is
     refused by the replica and comes back as InvalidRequestError; a stream its consumer

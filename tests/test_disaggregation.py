@@ -5,7 +5,7 @@ time an experiment's table gives each split."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 
@@ -13,6 +13,7 @@ from experiments.experiment_report import format_summary, summarize_runs, transf
 from experiments.plan import plan_experiment
 from experiments.run import run_experiment
 from metrics.store import MetricsStore
+from protocol.cost import LinearCostModel, StepPricing
 from protocol.handover import CROSS_NODE, PREFILL_HANDOVER, SAME_NODE, KvLink
 from protocol.messages import LoadReport, MigrationRecord
 from protocol.registry import UnknownChoiceError
@@ -52,6 +53,36 @@ def test_queue_aware_disaggregates_only_where_it_pays():
     assert not decider.disaggregate(view(100, decode_running=64))
     slow = QueueAwareDecider(threshold=256, costs=PdCosts(link=KvLink(bandwidth_bytes_per_s=1e7, latency_s=0.01)))
     assert not slow.disaggregate(view(2000, decode_running=8))
+
+
+def test_queue_aware_prices_prefill_at_the_replicas_reported_step_costs():
+    """The same request on the same loads (8 decodes on the decode replica, 4,000 prompt tokens
+    queued on the prefill replica, a link on which its K/V take 4.6 s) is disaggregated where the
+    replicas' load reports price a prefill token slowly (the colocated prefill stalls 9 requests
+    for longer than the backlog and the hand-over take) and colocated where they price it fast;
+    the decode replica's price prices the colocated prefill, the prefill replica's the
+    disaggregated one, and a replica that reports no pricing is priced at PdCosts' fallback."""
+    slow_link = KvLink(bandwidth_bytes_per_s=1e7, latency_s=0.01)
+    pools = PdPools({"p": "prefill", "d": "decode"}, "queue_aware", 256, BYTES_PER_TOKEN, slow_link)
+
+    def priced(c_prefill: float) -> StepPricing:
+        return StepPricing(LinearCostModel(c0=0.02, c_decode=1e-3, c_prefill=c_prefill, c_ctx=0.0, c_held=0.0), 256)
+
+    def route(decode_price: StepPricing | None, prefill_price: StepPricing | None) -> str:
+        router = PdRouter(["p", "d"], pools)
+        for rid, running, pending, pricing in (("p", 0, 4000, prefill_price), ("d", 8, 0, decode_price)):
+            router.report(LoadReport(rid, 0, running, 8 - running, 8, 5120, 0.0, pending, pricing=pricing))
+        return router.route(RouteRequest("q", prompt_len=2000, max_tokens=32)).replica_id
+
+    slow, fast = priced(3.87e-3), priced(2e-5)  # the calibrated CPU model's price, and a fast machine's
+    assert (route(slow, slow), route(fast, fast)) == ("p", "d")
+    assert route(slow, fast) == "p" and route(fast, slow) == "d"
+    # No pricing reported: the fallback's 2e-4 s a token makes the hand-over not worth its link.
+    assert PdCosts().prefill_seconds_per_token == 2e-4 and route(None, None) == "d"
+    decider = QueueAwareDecider(threshold=256, costs=PdCosts(link=slow_link))
+    same = view(2000, decode_running=8, prefill_pending=4000)
+    assert decider.disaggregate(replace(same, decode_seconds_per_token=3.87e-3, prefill_seconds_per_token=3.87e-3))
+    assert not decider.disaggregate(replace(same, decode_seconds_per_token=2e-5, prefill_seconds_per_token=2e-5))
 
 
 def test_queue_aware_counts_what_was_routed_to_the_decode_replica_since_its_report():

@@ -1,9 +1,9 @@
 """The engine's speed paths keep their answers: dtype "auto" picks bf16 only where the CPU has
-bf16 matrix units (or on a GPU); bf16 prepacked and int8 weight-only products agree with fp32;
-gathered attention over scattered slots equals the range view; the default model's directory
-loads in other tools (tied embeddings saved the standard way); the bench's greedy-agreement
-and vLLM environment helpers say what they should. Slow: bf16 and int8 greedy outputs of the
-real model against fp32 on a few prompts."""
+bf16 matrix units (or on a GPU); gathered attention over scattered slots equals the range view;
+the C++ decode and per-layer kernels equal torch's operators (the matrix products:
+test_linear.py); the default model's directory loads in other tools (tied embeddings saved the
+standard way); the bench's greedy-agreement and vLLM environment helpers say what they should.
+Slow: bf16 and int8 greedy outputs of the real model against fp32 on a few prompts."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from peers.vllm_cpu import VllmSettings, environment
 from replica.config import EngineConfig, resolve_dtype
 from replica.kernels.cpu import parse_cpuinfo
 from replica.model.attention import AttentionMetadata, build_group, slot_attention
-from replica.model.linear import Linear, can_pack
+from replica.model.linear import Linear
 
 CPUINFO = "processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu sse2 avx2 fma {extra}\nprocessor\t: 1\n"
 
@@ -40,26 +40,6 @@ def test_auto_dtype_follows_the_cpu_flags():
     assert resolve_dtype("bfloat16", "cpu", avx2) == "bfloat16"
     assert "avx512_bf16" in bf16.describe() and "avx512_bf16" not in avx2.describe()
     assert EngineConfig().dtype == "auto"
-
-
-@pytest.mark.parametrize("rows", [1, 3, 64])
-def test_bf16_packed_and_int8_products_match_fp32(rows):
-    """Each path's product is within its dtype's rounding of the fp32 product; int8 serves only
-    steps of at most int8_rows rows."""
-    torch.manual_seed(0)
-    w, b, x = torch.randn(200, 96) * 0.05, torch.randn(200), torch.randn(rows, 96)
-    ref = F.linear(x, w, b)
-    fp32 = Linear(w, b)
-    bf16 = Linear(w.bfloat16(), b.bfloat16())
-    int8 = Linear(w.bfloat16(), b.bfloat16(), int8_rows=3, measure_int8=False)
-    assert fp32.packed and bf16.packed == can_pack(w.bfloat16())
-    torch.testing.assert_close(fp32(x), ref, rtol=1e-4, atol=1e-4)
-    scale = ref.abs().max().item()
-    assert (bf16(x.bfloat16()).float() - ref).abs().max().item() < 0.03 * scale
-    got = int8(x.bfloat16()).float()
-    assert (got - ref).abs().max().item() < 0.05 * scale
-    # int8 rounds differently from bf16, so its result differs exactly where it is used
-    assert torch.equal(got, bf16(x.bfloat16()).float()) == (rows > 3)
 
 
 def test_gathered_attention_equals_the_range_view():
@@ -163,63 +143,25 @@ def test_fused_rope_write_and_silu_mul_equal_torch(dtype, rope):
     torch.testing.assert_close(fused_ops.rms_norm(x, weight, 1e-5).float(), want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 11])
-def test_int8_kernel_equals_the_dequantized_product(dtype, rows):
-    """The int8 kernel computes x (q * scale)^T + bias + residual for any row count (blocks of 8
-    rows and their remainder) and a K that is not a multiple of its 32-value stride; a shape
-    mismatch is refused by name."""
-    from replica.kernels import int8_matmul
-    from replica.model.linear import quantize_int8
+@pytest.mark.parametrize("vocab", [1, 15, 49152, 50257])
+def test_fused_argmax_equals_torch_argmax(vocab):
+    """The sampler's argmax kernel returns torch.argmax's index for every row: the first of equal
+    maxima, the first NaN of a row that has one, 0 for a row of -inf, on strided rows too."""
+    from replica.kernels import fused_ops
 
     if not shutil.which("c++"):
-        pytest.skip("no C++ compiler: the kernel is not built and aten._weight_int8pack_mm serves")
-    assert int8_matmul.available("cpu")
+        pytest.skip("no C++ compiler: the kernels are not built and torch's operators serve")
     torch.manual_seed(0)
-    w, bias = torch.randn(70, 100) * 0.05, torch.randn(70)
-    x, residual = torch.randn(rows, 100).to(dtype), torch.randn(rows, 70).to(dtype)
-    q, scales = quantize_int8(w)
-    want = x.float() @ (q.float() * scales[:, None]).T + bias + residual.float()
-    got = int8_matmul.int8_linear(x, q, scales, bias, residual)
-    assert got.dtype == dtype and got.shape == (rows, 70)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
-    with pytest.raises(RuntimeError, match="x \\[M, K\\] against q \\[N, K\\]"):
-        int8_matmul.int8_linear(x[:, :99], q, scales)
-
-
-def test_linear_adds_the_residual_on_every_path():
-    """Linear(x, residual=r) is x W^T + b + r packed, plain, int8 and with a bias."""
-    torch.manual_seed(0)
-    w, b, x, r = torch.randn(40, 24), torch.randn(40), torch.randn(3, 24), torch.randn(3, 40)
-    for lin in (Linear(w, b), Linear(w), Linear(w, b, pack=False), Linear(w, b, int8_rows=4, measure_int8=False)):
-        plain = lin(x)
-        torch.testing.assert_close(lin(x, residual=r), plain + r, rtol=1e-5, atol=1e-5)
-
-
-def test_int8_rows_follow_the_crossover_measured_here(monkeypatch, tmp_path):
-    """int8_rows is a bound: the copy serves up to the row count where it was measured to beat the
-    dense product on this machine, which is written to the cache and read back by the next Linear
-    of that shape (so a start measures once); where it never pays, no copy is kept."""
-    from replica.model import linear
-
-    monkeypatch.setenv("SLOTSERVE_CACHE", str(tmp_path))
-    monkeypatch.setattr(linear, "_CROSSOVERS", {})
-    torch.manual_seed(0)
-    w = torch.randn(256, 128).bfloat16()
-    first = Linear(w, int8_rows=64)
-    cached = json.loads((tmp_path / linear.CROSSOVER_FILE).read_text())
-    assert list(cached.values()) == [first.int8_rows] and first.int8_rows in (0, *linear.CROSSOVER_ROWS)
-    assert (first.int8 is None) == (first.int8_rows == 0)
-    key = next(iter(cached))
-    for measured, bound, want in ((8, 64, 8), (8, 3, 3), (0, 64, 0)):
-        (tmp_path / linear.CROSSOVER_FILE).write_text(json.dumps({key: measured}))
-        monkeypatch.setattr(linear, "_CROSSOVERS", {})
-        got = Linear(w, int8_rows=bound)
-        assert got.int8_rows == want and (got.int8 is None) == (want == 0)
-        x = torch.randn(want or 1, 128).bfloat16()
-        ref = F.linear(x.float(), w.float())
-        torch.testing.assert_close(got(x).float(), ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
+    x = torch.randn(70, vocab + 3)[:, 1 : vocab + 1]
+    x[1, :] = float("-inf")
+    x[2, vocab // 2] = x[2, vocab - 1] = 1e3  # a tie: the first wins
+    x[3, vocab - 1] = float("nan")
+    x[4, vocab // 3] = x[4, vocab - 1] = float("nan")
+    x[5, :] = 0.0
+    x[5, vocab - 1] = -0.0
+    got = fused_ops.argmax(x)
+    assert got.dtype == torch.long and torch.equal(got, x.argmax(dim=-1))
+    assert torch.equal(fused_ops.argmax(x[:1]), x[:1].argmax(dim=-1))
 
 
 def test_greedy_agreement_counts_identical_requests():
@@ -357,3 +299,27 @@ def test_step_parts_add_up_to_the_step_and_leave_nothing_wrapped(tiny_qwen2_dir)
     assert (Linear.__call__, decoder.slot_attention, fused_ops.rms_norm, engine.runner.execute) == originals
     assert "execute" not in engine.runner.__dict__ and "forward" not in engine.runner.model.__dict__
     assert parts["matrix products"] > 0 and parts["step"] > 0
+
+
+def test_bench_decode_step_finishes_no_request_in_a_measured_step(tiny_qwen2_dir, monkeypatch):
+    """The bench's decode step (timed, then measured by part) keeps every request decoding: a step
+    that also finished them would free their slots and detokenize their ends, host work the
+    other decode steps do not (step_profile's engines never finish in a measured step)."""
+    from peers import engine_speed
+    from replica.engine import Engine
+
+    finished: list[int] = []  # requests each step of the bench's engine finished
+    real_step = Engine.step
+
+    def step(engine: Engine):
+        result = real_step(engine)
+        finished.append(sum(o.finished for o in result.outputs))
+        return result
+
+    monkeypatch.setattr(Engine, "step", step)
+    job = engine_speed.Job("decode", tiny_qwen2_dir, "float32", "cpu", 0, slots=2)
+    (row,) = engine_speed.RUNS["decode"](job)
+    measured = engine_speed.DECODE_STEPS + engine_speed.PROFILE_STEPS
+    assert len(finished) == 1 + measured  # the prefill, then every measured step
+    assert finished == [0] * (1 + measured)
+    assert row.parts["step"] > 0

@@ -4,16 +4,19 @@ actor shell. All but the last test are pure (a fake clock, no Ray)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
 import subprocess
 import sys
+import time
 
 import pytest
 import ray
 
 from protocol.clock import FakeClock
+from protocol.messages import HealthReport
 from protocol.registry import UnknownChoiceError
 from router import (
     ROUTING_POLICIES,
@@ -25,6 +28,7 @@ from router import (
     RoutingError,
     make_routing_policy,
 )
+from tests.waiting import wait_until
 
 
 def load(
@@ -411,6 +415,79 @@ def dummy_actors(ray_local):
 
 def get(ref):
     return ray.get(ref, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def gated_actors(ray_local):
+    """A gate a test opens, and a stand-in replica actor built only once its gate opens (as a
+    replica is once its model is loaded), that answers health checks until muted."""
+
+    @ray.remote(num_cpus=0)
+    class Gate:
+        def __init__(self):
+            self.opened = asyncio.Event()
+
+        async def wait(self) -> None:
+            await self.opened.wait()
+
+        def open(self) -> None:
+            self.opened.set()
+
+    @ray.remote(num_cpus=0)
+    class GatedReplica:
+        def __init__(self, replica_id: str, gate=None):
+            if gate is not None:
+                ray.get(gate.wait.remote())
+            self.replica_id, self.router = replica_id, None
+            self.speaking = asyncio.Event()
+            self.speaking.set()
+
+        async def health(self) -> HealthReport:
+            await self.speaking.wait()
+            attached = self.router is not None
+            return HealthReport(self.replica_id, True, None, 0.0, None, 0, 0, 0, False, attached, time.time())
+
+        def attach(self, router=None, store=None, run_id=None) -> None:
+            self.router = router
+
+        def set_arrivals_done(self, done: bool) -> None:
+            pass
+
+        def mute(self) -> None:
+            self.speaking.clear()
+
+    return Gate, GatedReplica
+
+
+@pytest.mark.timeout(300)
+def test_router_actor_holds_a_replica_starting_until_its_first_health_answer(gated_actors):
+    """A replica still being built (its actor not answering yet) is `starting`: routed nothing,
+    but not marked down for its silence past health_timeout nor killed, while requests go to the
+    replica that is up; once built it is attached and routed to, and from then on silence past
+    health_timeout marks it down."""
+    from router.actor import RouterActor
+
+    Gate, GatedReplica = gated_actors
+    gate = Gate.remote()
+    handles = {"slow": GatedReplica.remote("slow", gate), "quick": GatedReplica.remote("quick")}
+    router = RouterActor.remote(handles, policy="round_robin", health_period=0.05, health_timeout=2.0)
+
+    def status() -> dict:
+        return get(router.status.remote())
+
+    wait_until(lambda: get(router.is_up.remote("quick")), 60, "the built replica to be up")
+    wait_until(lambda: "slow" in status()["health"], 60, "the watcher to find the slow replica silent")
+    held = status()
+    assert held["down"] == {"slow": "starting"} and held["starting"] == ["slow"] and held["restarts_asked"] == 0
+    assert held["health"]["slow"].reason == "starting: no health answer yet"
+    assert [get(router.route.remote(RouteRequest(f"q{i}", 8, 8))) for i in range(3)] == ["quick"] * 3
+
+    get(gate.open.remote())
+    wait_until(lambda: get(router.is_up.remote("slow")), 60, "the slow replica, built, to be up")
+    assert status()["starting"] == [] and get(router.route.remote(RouteRequest("next", 8, 8))) in handles
+    get(handles["slow"].mute.remote())
+    wait_until(lambda: "slow" in status()["down"], 60, "the muted replica to be marked down")
+    assert status()["down"] == {"slow": "no health answer within 2 s"}
 
 
 @pytest.mark.timeout(300)

@@ -1,6 +1,6 @@
 """Builds a small C++ extension once with torch's extension tools, or says why it cannot.
 
-Why here: the CPU kernels (`decode_attention`, `fused_ops`, `int8_matmul`) are each a page of C++
+Why here: the CPU kernels (`decode_attention`, `fused_ops`, `skinny_matmul`) are each a page of C++
 (the `.cpp` file of the same name beside its Python wrapper) compiled for this CPU
 (`-march=native`); the build (about 40 s each, cached under torch's extension directory) needs a
 C++ compiler and ninja, which `make setup` checks. Where a build fails the engine keeps to torch's

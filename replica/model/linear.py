@@ -1,5 +1,5 @@
-"""The model's matrix products: y = x W^T + b, with W prepacked for oneDNN where that pays, and an
-optional weight-only int8 copy for steps with few rows.
+"""The model's matrix products: y = x W^T + b, with W prepacked for oneDNN where that pays, a
+plain copy for steps of few rows, and an optional weight-only int8 copy.
 
 Why: on these CPUs MKL's F.linear reaches a fraction of the machine on the skinny products of a
 decode step (1-64 rows) and on the 49k-column LM head, while oneDNN with the weight reordered
@@ -8,15 +8,21 @@ is the kernel torch.compile's CPU freezing pass picks, without the compile. oneD
 weights on any x86 CPU and bf16 weights where the CPU has AVX-512 (with AVX512_BF16 or AMX it
 uses them natively). On a GPU, or where oneDNN cannot pack, the plain F.linear is used.
 
-A step with few rows is bound by reading the weights, not by arithmetic, so reading a quarter of
-fp32's bytes (int8 with one scale per output row) can make it faster; a Linear built with
-`int8_rows=N` keeps such a copy and uses it for steps of at most N rows, through
-`replica.kernels.int8_matmul`'s kernel where it is built (`aten._weight_int8pack_mm` otherwise).
-Where the int8 product stops paying depends on the CPU (on one with AVX-512 BF16 the dense bf16
-product wins from a few rows on, on an AVX2-only one int8 pays up to a dozen or more), so by
-default N is only the most it may serve: the row count where int8 stops beating the dense product
-is measured on this machine for each weight shape (`int8_crossover`, a few seconds once, cached
-on disk), and int8 serves steps up to the lower of the two.
+A step with few rows is bound by reading the weights, not by arithmetic, and oneDNN's packed
+product, tuned for larger steps, reads them well below the memory bandwidth at one row.
+`replica.kernels.skinny_matmul`'s dense kernel reads a plain row-major copy at close to it (fp32
+weights, and bf16 ones where the CPU has AVX512_BF16), with the same dtype and fp32 sums, so it
+serves steps up to the row count where it was measured faster than the packed product on this
+machine; a weight where it never pays keeps no plain copy beside the packed one.
+
+Reading a quarter of fp32's bytes (int8 with one scale per output row) can make such a step
+faster still, at a cost in outputs; a Linear built with `int8_rows=N` keeps such a copy and uses
+it for steps of at most N rows, through the skinny kernel's int8 product where it is built
+(`aten._weight_int8pack_mm` otherwise). N is only the most it may serve: int8 serves steps up to
+the row count where it beat the best dense path measured on this machine.
+
+Both row counts are crossovers (`crossover`): a few seconds once per weight shape, CPU kind,
+torch version and thread count, cached on disk.
 """
 
 from __future__ import annotations
@@ -32,22 +38,22 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from replica.kernels import int8_matmul
+from replica.kernels import skinny_matmul
 from replica.kernels.cpu import cpu_info
 from replica.model.loader import cache_dir
 
 # The row count oneDNN tunes the packed layout for: a full decode batch of the default config.
 PACK_ROWS_HINT = 64
-# Row counts at which the int8 copy is timed against the dense product, in order, up to the first it loses.
+# Row counts at which a path is timed against the one it would replace, in order, up to the first it loses.
 CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64)
 CROSSOVER_REPS = 5
 # Read between timed calls so each finds its weights out of the caches, as a step does (it streams
 # every layer's weights once): larger than this machine kind's L3 (32 MiB).
 EVICT_BYTES = 64 * 2**20
-# int8 must beat the dense product by this factor to be used at a row count: on a noisy machine a
-# tie goes to the dense product, which changes no output.
+# A path must beat the one it would replace by this factor to be used at a row count: on a noisy
+# machine a tie goes to the path already there (oneDNN's, the most tried; dense, not int8).
 CROSSOVER_MARGIN = 0.95
-CROSSOVER_FILE = "int8_crossover.json"
+CROSSOVER_FILE = "crossover.json"
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -74,9 +80,11 @@ def can_int8(weight: torch.Tensor) -> bool:
 
 
 class Linear:
-    """One weight matrix and its optional bias, called like F.linear. int8_rows: keep an int8 copy
-    for steps of at most that many rows, fewer where `int8_crossover` measured it slower here
-    (`measure_int8=False` takes int8_rows as it is, as benchmarks of the int8 path do)."""
+    """One weight matrix and its optional bias, called like F.linear. skinny: use the skinny
+    kernel's dense product up to its measured crossover (off: oneDNN at every step, as
+    benchmarks of it do). int8_rows: keep an int8 copy for steps of at most that many rows, fewer
+    where `crossover` measured it slower here (`measure_int8=False` takes int8_rows as it is, as
+    benchmarks of the int8 path do)."""
 
     def __init__(
         self,
@@ -85,26 +93,47 @@ class Linear:
         pack: bool = True,
         int8_rows: int = 0,
         measure_int8: bool = True,
+        skinny: bool = True,
     ):
         self.bias = bias
+        self.shape, self.dtype = weight.shape, weight.dtype
         self.packed = pack and can_pack(weight)
-        # The packed copy replaces the plain one (a shared tensor, like a tied embedding, stays alive elsewhere).
+        # The packed copy replaces the plain one, which is kept only where the skinny kernel pays (a
+        # shared tensor, like a tied embedding, stays alive elsewhere anyway).
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT) if self.packed else weight
+        # Each faster path serves no rows while it is measured against the paths already there.
+        self.skinny_rows = 0
+        self.int8_rows = 0
+        self.int8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.int8_kernel = False
+        self.plain = weight.contiguous() if skinny and skinny_matmul.serves_dense(weight) else None
+        if self.plain is not None:
+            self.skinny_rows = crossover("skinny", self, lambda x: skinny_matmul.dense_linear(x, self.plain, bias))
+            if not self.skinny_rows:
+                self.plain = None  # never pays here: the packed copy alone is kept
         self.int8 = quantize_int8(weight) if int8_rows and can_int8(weight) else None
-        self.int8_kernel = self.int8 is not None and int8_matmul.available(weight.device)
-        self.int8_rows = 0  # dense at every row count while the crossover is measured
         if self.int8 is not None:
-            self.int8_rows = (
-                min(int8_rows, int8_crossover(self, weight.shape, weight.dtype)) if measure_int8 else int8_rows
-            )
+            self.int8_kernel = skinny_matmul.available(weight.device)
+            self.int8_rows = min(int8_rows, crossover("int8", self, self.quantized)) if measure_int8 else int8_rows
             if not self.int8_rows:
                 self.int8 = None  # never pays here: no copy kept
 
+    @property
+    def paths(self) -> str:
+        """The paths this Linear has, as its crossovers' cache keys name them."""
+        dense = "packed" if self.packed else "plain"
+        skinny = f"+skinny<={self.skinny_rows}" if self.skinny_rows else ""
+        int8 = ("+int8 kernel" if self.int8_kernel else "+int8 aten") if self.int8 is not None else ""
+        return dense + skinny + int8
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T + b, plus `residual` where given (on a packed weight oneDNN adds it in the
-        product's own pass: the layer's residual adds cost no pass of their own)."""
-        if self.int8 is not None and x.shape[0] <= self.int8_rows:
+        """x W^T + b, plus `residual` where given (the skinny kernel and oneDNN's packed product
+        add it in the product's own pass: the layer's residual adds cost no pass of their own)."""
+        rows = x.shape[0]
+        if 0 < rows <= self.int8_rows:
             return self.quantized(x, residual)
+        if 0 < rows <= self.skinny_rows:
+            return skinny_matmul.dense_linear(x, self.plain, self.bias, residual)
         if self.packed and residual is not None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
         if self.packed:
@@ -115,7 +144,7 @@ class Linear:
     def quantized(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The same product through the int8 copy, whatever the row count."""
         if self.int8_kernel:
-            return int8_matmul.int8_linear(x, *self.int8, self.bias, residual)
+            return skinny_matmul.int8_linear(x, *self.int8, self.bias, residual)
         y = torch.ops.aten._weight_int8pack_mm(x, *self.int8)
         if self.bias is not None:
             y += self.bias
@@ -137,44 +166,45 @@ def _median_seconds(fns: dict[str, Callable[[], torch.Tensor]], reps: int) -> di
     return {name: statistics.median(v) for name, v in times.items()}
 
 
-def _crossover_key(linear: Linear, shape: torch.Size, dtype: torch.dtype) -> str:
+def _crossover_key(path: str, linear: Linear) -> str:
     cpu = hashlib.sha1(" ".join(sorted(cpu_info().flags)).encode()).hexdigest()[:8]
-    paths = ("packed" if linear.packed else "plain") + ("+kernel" if linear.int8_kernel else "+aten")
-    return f"{cpu}/torch {torch.__version__}/{torch.get_num_threads()} threads/{dtype}/{shape[0]}x{shape[1]}/{paths}"
+    versions = f"torch {torch.__version__}/kernel {skinny_matmul.source_hash()}"
+    threads, shape = torch.get_num_threads(), f"{linear.shape[0]}x{linear.shape[1]}"
+    return f"{path}/{cpu}/{versions}/{threads} threads/{linear.dtype}/{shape}/{linear.paths}"
 
 
 _CROSSOVERS: dict[str, int] = {}
 
 
-def int8_crossover(linear: Linear, shape: torch.Size, dtype: torch.dtype) -> int:
-    """The most rows of `CROSSOVER_ROWS` up to which `linear`'s int8 copy beat its dense product
-    (`linear(x)` while its int8_rows is still 0) by `CROSSOVER_MARGIN` at every count measured
-    (0: not even at one row), timed on this machine with random rows. Measured once per CPU kind, torch version,
-    thread count, dtype, weight shape and paths; kept in memory and in `cache_dir()`'s
-    int8_crossover.json, so the next start reads it."""
-    key = _crossover_key(linear, shape, dtype)
-    path = cache_dir() / CROSSOVER_FILE
+def crossover(path: str, linear: Linear, fast: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    """The most rows of `CROSSOVER_ROWS` up to which `fast(x)` beat `linear(x)` (the paths
+    `linear` has so far) by `CROSSOVER_MARGIN` at every count measured (0: not even at one row),
+    timed on this machine with random rows. Measured once per path, CPU kind, torch version,
+    kernel source, thread count, dtype, weight shape and the paths it was timed against; kept in memory and in
+    `cache_dir()`'s crossover.json, so the next start reads it."""
+    key = _crossover_key(path, linear)
+    file = cache_dir() / CROSSOVER_FILE
     if key not in _CROSSOVERS:
         try:
-            _CROSSOVERS.update(json.loads(path.read_text()))
+            _CROSSOVERS.update(json.loads(file.read_text()))
         except (OSError, ValueError):
             pass
     if key in _CROSSOVERS:
         return _CROSSOVERS[key]
     best = 0
     for rows in CROSSOVER_ROWS:
-        x = torch.randn(rows, shape[1]).to(dtype)
+        x = torch.randn(rows, linear.shape[1]).to(linear.dtype)
         with torch.inference_mode():
-            t = _median_seconds({"dense": lambda: linear(x), "int8": lambda: linear.quantized(x)}, CROSSOVER_REPS)
-        if t["int8"] > CROSSOVER_MARGIN * t["dense"]:
+            t = _median_seconds({"current": lambda: linear(x), "fast": lambda: fast(x)}, CROSSOVER_REPS)
+        if t["fast"] > CROSSOVER_MARGIN * t["current"]:
             break
         best = rows
     _CROSSOVERS[key] = best
     try:  # written whole and renamed, so a reader never sees half a file
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=file.parent, delete=False, suffix=".tmp") as f:
             json.dump(_CROSSOVERS, f, indent=1, sort_keys=True)
-        os.replace(f.name, path)
+        os.replace(f.name, file)
     except OSError:
         pass  # a read-only cache: measured again next start
     return best
