@@ -367,9 +367,10 @@ LOGITS = torch.tensor(
 )
 
 
-def test_sampler_greedy_is_argmax():
-    """Greedy rows (temperature 0) take each row's argmax."""
-    tokens = Sampler(seed=0).sample(LOGITS, [req("a"), req("b"), req("c")])
+@pytest.mark.parametrize("kernel", [False, True])
+def test_sampler_greedy_is_argmax(kernel):
+    """Greedy rows (temperature 0) take each row's argmax, with the C++ argmax or torch's."""
+    tokens = Sampler(seed=0, kernel=kernel).sample(LOGITS, [req("a"), req("b"), req("c")])
     assert tokens == [1, 0, 3]
     assert tokens == LOGITS.argmax(dim=-1).tolist()
 

@@ -1,4 +1,4 @@
-"""The small per-layer steps of a forward pass as two C++ kernels, built once for this CPU.
+"""The small per-layer steps of a forward pass as C++ kernels, built once for this CPU.
 
 Why: between its matrix products a layer ran about twenty small torch operators (slices, RoPE's
 roll, multiply and add, two indexed cache writes, SiLU and a multiply, RMSNorm's five), each a
@@ -12,6 +12,9 @@ take their place:
 - `silu_mul`: SiLU(gate) * up from the fused gate/up output, one pass;
 - `rms_norm`: one pass per row (torch's CPU RMSNorm is five operators: pow, mean, add, rsqrt, mul).
 
+And one for the sampler: `argmax`, each row's greedy token, vectorized (torch's CPU argmax is a
+scalar loop over the vocabulary's logits, row after row).
+
 The residual adds ride on the matrix products (oneDNN's add post-op, `Linear(x, residual=...)`).
 Built by `replica.kernels.build`; where it cannot be built, or off the CPU, `available()` is
 False and the model keeps to torch's operators.
@@ -23,7 +26,7 @@ import torch
 
 from replica.kernels.build import CpuExtension
 
-_EXTENSION = CpuExtension("fused_ops", ["rope_write", "silu_mul", "rms_norm"])
+_EXTENSION = CpuExtension("fused_ops", ["rope_write", "silu_mul", "rms_norm", "argmax"])
 available = _EXTENSION.available  # available(device): built here, and device is the CPU
 
 
@@ -52,3 +55,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """[T, H] -> [T, H]: each row over its root mean square, times `weight`."""
     return _EXTENSION.module.rms_norm(x, weight, eps)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """[rows, n] float32 -> [rows] int64, equal to `x.argmax(dim=-1)` (the first of equal maxima,
+    or the first NaN)."""
+    return _EXTENSION.module.argmax(x)

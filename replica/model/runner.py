@@ -62,7 +62,7 @@ class ModelRunner:
             )
         else:
             self.cache = SlotKVCache(shape.num_layers, config.num_slots, config.max_seq_len, *kv_shape)
-        self.sampler = Sampler(config.seed, self.eos_token_ids)
+        self.sampler = Sampler(config.seed, self.eos_token_ids, kernel=self.model.fused_ops)
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)

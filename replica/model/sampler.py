@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from replica.kernels import fused_ops
 from replica.scheduling.request import Request
 
 
@@ -16,7 +17,12 @@ def position_seed(seed: int, position: int) -> int:
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None, eos_token_ids: set[int] | frozenset[int] = frozenset()):
+    def __init__(
+        self, seed: int | None = None, eos_token_ids: set[int] | frozenset[int] = frozenset(), kernel: bool = False
+    ):
+        """kernel: greedy rows take the C++ argmax (`fused_ops.argmax`) where it is built and the
+        logits are on the CPU; off, torch's."""
+        self._kernel = kernel
         self._eos = sorted(eos_token_ids)  # masked for a request that has not made its min_tokens yet
         self._shared = torch.Generator()  # for requests that give no seed
         self._shared.manual_seed(seed) if seed is not None else self._shared.seed()
@@ -38,14 +44,21 @@ class Sampler:
     def release(self, request_id: str) -> None:
         self._per_request.pop(request_id, None)
 
+    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax: the C++ kernel where it serves (torch's CPU argmax is a scalar loop,
+        a large share of a big decode step's sampling), else torch's; the same tokens either way."""
+        if self._kernel and logits.dtype == torch.float32 and logits.dim() == 2 and fused_ops.available(logits.device):
+            return fused_ops.argmax(logits)
+        return logits.argmax(dim=-1)
+
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits: [rows, vocab] float32, row i for requests[i]."""
-        held = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
+        held = [i for i, r in enumerate(requests) if r.params.min_tokens and r.num_output_tokens < r.params.min_tokens]
         if held:  # vLLM's min_tokens: EOS and stop ids may not come yet (a copy: logits may be an inference tensor)
             logits = logits.clone()
             for i in held:
                 logits[i, self._eos + requests[i].params.stop_token_ids] = float("-inf")
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = self._greedy(logits).tolist()
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if not rows:
             return tokens
