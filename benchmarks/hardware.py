@@ -225,13 +225,15 @@ def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
             fp32, runner, reps, steps, "bf16 weights instead of fp32", ((1, False), (8, False), (64, False))
         )
         del fp32
-    plain = Decoder.from_hf(hf, dtype, "cpu", pack_weights=False)
+    # oneDNN's packed product against MKL's plain one, the skinny kernel off on both arms
+    plain = Decoder.from_hf(hf, dtype, "cpu", pack_weights=False, skinny_matmul=False)
+    onednn = Decoder.from_hf(hf, dtype, "cpu", skinny_matmul=False)
     int8 = Decoder.from_hf(hf, dtype, "cpu", int8_rows=64, measure_int8=False)  # int8 at every batch measured
     packed = runner.model
     for batch in (1, 8, 64):
         engine = decode_engine(runner, batch, steps)
         t = in_turns(
-            {"plain": _with(_use(runner, plain), engine.step), "packed": _with(_use(runner, packed), engine.step)}, reps
+            {"plain": _with(_use(runner, plain), engine.step), "packed": _with(_use(runner, onednn), engine.step)}, reps
         )
         rows.append(
             {
@@ -240,6 +242,7 @@ def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
                 "with": t["packed"],
             }
         )
+        runner.model = packed
         if batch == 64 and (threads := torch.get_num_threads()) > 1:
             t = in_turns(
                 {
@@ -252,7 +255,6 @@ def optimisations(runner: ModelRunner, reps: int) -> list[dict]:
                 {"what": f"{threads} torch threads instead of 1 (decode step, B=64)", "without": t["1"], "with": t["n"]}
             )
             torch.set_num_threads(threads)
-        runner.model = packed
         drain(engine)
     for batch in (1, 4, 8, 16):
         engine = decode_engine(runner, batch, steps)
@@ -479,7 +481,9 @@ def render(m: dict, hw: dict, pred: dict, rows: list[dict], opts: list[dict], ar
         "few rows take the skinny kernel (`replica/kernels/skinny_matmul.py`: a plain row-major copy of the "
         "weights read once for all the step's rows, fp32 FMAs or AVX512_BF16 dot products, fp32 sums), up to "
         "the row count measured faster than oneDNN's packed product by the same crossover; larger steps, and "
-        "every step on a weight where it never pays, take the packed product.",
+        "every step on a weight where it never pays, take the packed product. The plain copies cost about "
+        "those weights' bytes again beside the packed ones (`EngineConfig(skinny_matmul=False)`: none kept, "
+        "the packed product at every step).",
         "",
         "| optimisation | without ms | with ms | speedup |",
         "|---|---:|---:|---:|",

@@ -10,12 +10,13 @@ from protocol.scaling import AutoscalerStatus
 
 
 def replica_states(router: dict, autoscaler: AutoscalerStatus | None) -> dict[str, str]:
-    """Each replica's state: the autoscaler's, or (not autoscaled) draining if the router is
-    draining it and serving otherwise."""
+    """Each replica's state: the autoscaler's, or (not autoscaled) the router's: draining if it
+    is draining the replica, starting until the replica's first health answer, else serving."""
     if autoscaler is not None:
         return {r.replica_id: r.state for r in autoscaler.replicas}
+    draining, starting = set(router.get("draining", [])), set(router.get("starting", []))
     return {
-        replica_id: "draining" if replica_id in router.get("draining", []) else "serving"
+        replica_id: "draining" if replica_id in draining else "starting" if replica_id in starting else "serving"
         for replica_id in router["replicas"]
     }
 

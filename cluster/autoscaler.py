@@ -248,10 +248,8 @@ class AutoscalerActor:
             ray.get(self._router.add_replica.remote(replica_id, f"{self._prefix}{index}"), timeout=60)
             with self._lock:
                 replica.registered = True
-            while not ray.get(self._router.is_up.remote(replica_id), timeout=60):
-                if time.time() > deadline:
-                    raise ClusterError(f"no passed health check within {self.start_timeout:g} s")
-                time.sleep(0.05)
+            if wait_until_up(self._router, [replica_id], deadline, time.time):
+                raise ClusterError(f"no passed health check within {self.start_timeout:g} s")
         except Exception as err:  # noqa: BLE001 - a start that failed is reported and undone
             self._error(f"{replica_id} did not start: {type(err).__name__}: {str(err)[:200]}")
             ray.kill(handle)
@@ -288,6 +286,20 @@ class AutoscalerActor:
     def _error(self, message: str) -> None:
         with self._lock:
             self._errors.append(f"{time.strftime('%H:%M:%S')} {message}")
+
+
+def wait_until_up(
+    router: ActorHandle, replica_ids: list[str], deadline: float, clock: Callable[[], float] = time.monotonic
+) -> list[str]:
+    """Ask the router until it routes to every one of `replica_ids` (its first health check
+    passed) or `clock()` is past `deadline`; the replicas still down then (empty: all up). How
+    `cluster.deploy` waits for a cluster's first replicas and this controller for each it adds."""
+    waiting = replica_ids
+    while waiting := [r for r in waiting if not ray.get(router.is_up.remote(r), timeout=60)]:
+        if clock() > deadline:
+            return waiting
+        time.sleep(0.05)
+    return []
 
 
 def _warm_up(handle: ActorHandle, replica_id: str, timeout: float) -> None:

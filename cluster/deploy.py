@@ -33,7 +33,7 @@ from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from autoscaling.policies import AUTOSCALING_POLICIES, AutoscaleConfig
-from cluster.autoscaler import AUTOSCALER_ACTOR_NAME, AutoscalerActor, autoscaler_status
+from cluster.autoscaler import AUTOSCALER_ACTOR_NAME, AutoscalerActor, autoscaler_status, wait_until_up
 from cluster.connection import NAMESPACE, ClusterError, connect, router_handle, use_token_auth
 from cluster.disaggregation import PoolsSpec
 from cluster.prometheus_exporters import replica_telemetry, router_telemetry
@@ -333,13 +333,10 @@ def start_cluster(spec: ClusterSpec, detached: bool = False, ready_timeout: floa
 def _wait_until_up(router: ActorHandle, replica_ids: list[str], deadline: float, timeout: float) -> None:
     """Until the router routes to every replica (its first health check passed); ClusterError
     naming those still down, and why, at `deadline` (`timeout` seconds from the start)."""
-    waiting = replica_ids
-    while waiting := [r for r in waiting if not ray.get(router.is_up.remote(r), timeout=60)]:
-        if time.monotonic() > deadline:
-            down = ray.get(router.status.remote(), timeout=60)["down"]
-            named = ", ".join(f"{r} ({down.get(r, 'up')})" for r in waiting)
-            raise ClusterError(f"{named} passed no health check within {timeout:g} s of the start")
-        time.sleep(0.05)
+    if waiting := wait_until_up(router, replica_ids, deadline):
+        down = ray.get(router.status.remote(), timeout=60)["down"]
+        named = ", ".join(f"{r} ({down.get(r, 'up')})" for r in waiting)
+        raise ClusterError(f"{named} passed no health check within {timeout:g} s of the start")
 
 
 def start_replica(spec: ClusterSpec, index: int, detached: bool) -> ActorHandle:

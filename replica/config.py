@@ -26,9 +26,18 @@ class EngineConfig(SchedulerConfig):
         0, ge=0, description="CPU: steps of at most this many rows use weight-only int8 copies (0: none)"
     )
     fused_ops: bool = Field(
-        True, description="CPU: RMSNorm, RoPE with the K/V write and SiLU-times-up as C++ kernels where built"
+        True,
+        description="CPU: RMSNorm, RoPE with the K/V write, SiLU-times-up and the sampler's greedy argmax as C++"
+        " kernels where built",
     )
     decode_kernel: bool = Field(True, description="CPU: decode rows' attention through the C++ kernel where built")
+    # A plain copy beside the packed one costs about the layers' weight bytes again, for the layers
+    # where the kernel was measured faster.
+    skinny_matmul: bool = Field(
+        True,
+        description="CPU: steps of a few rows through the C++ skinny kernel where measured faster; keeps a plain"
+        " copy of each such layer weight beside the packed one (about the weights' bytes again)",
+    )
     seed: int = 0
 
     @field_validator("policy")

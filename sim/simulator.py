@@ -117,7 +117,9 @@ class SimulationResult:
     steps: dict[str, list[StepRecord]]  # per replica, in step order
     decisions: list[Decision]  # per-replica figures past the run's bound: the chosen replica's
     arrivals: dict[str, Arrival]  # by request id
-    token_ids: dict[str, list[int]] = field(default_factory=dict)  # output tokens, by request id
+    # Output tokens by request id, of finished requests only (a refused or unfinished one has
+    # none): each is the request's own list, which nothing appends to once it has finished.
+    token_ids: dict[str, list[int]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # why a refused request was refused
     step_counts: dict[str, int] = field(default_factory=dict)  # per replica, records kept or not
     step_ends: dict[str, float] = field(default_factory=dict)  # each replica's last step end (if any)

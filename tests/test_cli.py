@@ -319,3 +319,23 @@ def test_run_takes_the_work_priced_paged_cluster_of_make_run(tmp_path):
         common.cluster_spec(build_parser().parse_args(["run", *flags, "--fake-step", "0.01"]))
     with pytest.raises(SystemExit, match="no cost model at"):
         common.cluster_spec(build_parser().parse_args(["run", "--fake-cost", str(tmp_path / "none.json")]))
+
+
+def test_status_and_top_show_the_routers_starting_and_draining_replicas_without_an_autoscaler():
+    """Not autoscaled, a replica's state is the router's: `starting` until its first health
+    answer, `draining` while it is drained (even one that never answered), else `serving`;
+    `slotserve top` shows the same column."""
+    from cli.status import replica_states
+    from cli.top import replica_lines
+
+    view = {"report": None, "in_flight": 0, "report_age": None}
+    router = {
+        "replicas": {r: view for r in ("replica-0", "replica-1", "replica-2", "replica-3")},
+        "starting": ["replica-1", "replica-3"],
+        "draining": ["replica-2", "replica-3"],
+    }
+    expected = {"replica-0": "serving", "replica-1": "starting", "replica-2": "draining", "replica-3": "draining"}
+    assert replica_states(router, None) == expected
+    assert [(line.replica, line.state) for line in replica_lines(router, [])] == sorted(expected.items())
+    older = {"replicas": router["replicas"]}  # a router status without the lists: all serving
+    assert set(replica_states(older, None).values()) == {"serving"}

@@ -162,8 +162,9 @@ static void silu_row(const float* g, float* o, int64_t I) {
   }
 }
 
-// The same for bf16 rows, each fp32 step rounded as scalar fp32 code rounds it, so that rounding to
-// bf16 lands where torch's own bf16 SiLU-times-up lands: exp is taken in double and stored as float
+// The same for bf16 rows, each fp32 step rounded as scalar fp32 code rounds it, so that the one
+// rounding to bf16 lands where fp32 SiLU-times-up rounded to bf16 lands (torch's bf16 ops round
+// twice, after the SiLU and after the product): exp is taken in double and stored as float
 // (libmvec's float exp is not correctly rounded), and with AVX-512 the add, division and product
 // are explicitly rounded intrinsics, which -ffast-math cannot turn into an approximate reciprocal.
 static void silu_row_rounded(const float* g, float* o, int64_t I) {
@@ -277,8 +278,8 @@ static void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double 
   T* op = out.data_ptr<T>();
   const std::vector<float> wf = std::is_same_v<T, float> ? std::vector<float>() : table_floats(wp, H);
   // 16 rows a task, not rows_per_task: the loop below is inlined twice (on the calling thread and
-  // in a parallel task) and the two copies sum fp32 rows in different orders, so a new split would
-  // move some batch sizes' fp32 results by an ulp.
+  // in a parallel task) and the two copies sum fp32 rows in different orders, so an fp32 row's
+  // result (to an ulp) depends on which copy runs it, that is on where the split falls.
   at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(std::is_same_v<T, float> ? 0 : 2 * H);
     for (int64_t t = begin; t < end; ++t) {

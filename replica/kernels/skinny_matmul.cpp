@@ -68,7 +68,6 @@ struct F32Dot {
   static float sum(Acc acc) { return hsum(acc); }
 };
 #else
-#define SKINNY_SCALAR 1
 template <class XT, class WT>
 struct ScalarDot {
   using X = XT;
@@ -133,18 +132,21 @@ static inline void reduce(typename D::Acc* acc, int C, float* out) {
     for (int c = 0; c < C; ++c) out[c] = D::sum(acc[c]);
 }
 
-// sums[j * NB + i] = x[j] . w[i] over K for MB rows of x (row stride K) and NB weight rows (stride K).
+// sums[j * NB + i] = x[j] . w[i] over K for MB rows of x (row stride K) and NB weight rows (stride
+// K) of the `left` weight rows from w on (the prefetches stay within them).
 template <class D, int MB, int NB>
-static inline void dot_block(const typename D::X* x, const typename D::W* w, int64_t K, float* sums) {
+static inline void dot_block(const typename D::X* x, const typename D::W* w, int64_t K, int64_t left, float* sums) {
   using X = typename D::X;
   using W = typename D::W;
   constexpr int L = D::L;
   typename D::Acc acc[MB][NB];
+  const W* ahead[NB];  // the row each weight row prefetches, the last one near w's end
+  for (int i = 0; i < NB; ++i) ahead[i] = w + std::min<int64_t>(i + PREFETCH_BLOCKS * NB, left - 1) * K;
   for (int j = 0; j < MB; ++j)
     for (int i = 0; i < NB; ++i) acc[j][i] = D::zero();
   int64_t k = 0;
   for (; k + L <= K; k += L) {
-    for (int i = 0; i < NB; ++i) __builtin_prefetch(w + (i + PREFETCH_BLOCKS * NB) * K + k);
+    for (int i = 0; i < NB; ++i) __builtin_prefetch(ahead[i] + k);
     for (int i = 0; i < NB; ++i)
       for (int j = 0; j < MB; ++j) acc[j][i] = D::madd(acc[j][i], x + j * K + k, w + i * K + k);
   }
@@ -178,7 +180,7 @@ struct Problem {
 template <class D, class Y, int MB, int NB>
 static void block(const Problem<D, Y>& p, int64_t m, int64_t n) {
   float sums[MB * NB];
-  dot_block<D, MB, NB>(p.x + m * p.K, p.w + n * p.K, p.K, sums);
+  dot_block<D, MB, NB>(p.x + m * p.K, p.w + n * p.K, p.K, p.N - n, sums);
   for (int j = 0; j < MB; ++j)
     for (int i = 0; i < NB; ++i) {
       const int64_t at = (m + j) * p.N + n + i;
@@ -239,6 +241,8 @@ static void launch(const at::Tensor& x, const at::Tensor& w, const float* scales
 static void check(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                   const c10::optional<at::Tensor>& residual, const char* name) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), name, ": x [M, K] against weight [N, K]");
+  TORCH_CHECK(x.is_cpu() && w.is_cpu() && (!bias || bias->is_cpu()) && (!residual || residual->is_cpu()), name,
+              ": x, the weight, bias and residual must be CPU tensors");
   TORCH_CHECK(w.is_contiguous() && !w.is_mkldnn(), name, ": the weight must be a plain contiguous tensor");
   TORCH_CHECK(!bias || bias->numel() == w.size(0), name, ": one bias per weight row");
   TORCH_CHECK(!residual || (residual->dim() == 2 && residual->size(0) == x.size(0) && residual->size(1) == w.size(0)),

@@ -111,15 +111,18 @@ class Decoder:
         fused_ops: bool = True,
         decode_kernel: bool = True,
         measure_int8: bool = True,
+        skinny_matmul: bool = True,
     ):
         self.shape = shape
         self.dtype = state["embed"].dtype
-        # Matrices become Linear (prepacked where that pays, with an int8 copy for steps of at most
-        # int8_rows rows, fewer where measured slower here unless measure_int8 is off); norms,
-        # embeddings and biases stay plain.
+        # Matrices become Linear (prepacked where that pays, with a plain copy for the skinny kernel
+        # where it pays unless skinny_matmul is off, and an int8 copy for steps of at most int8_rows
+        # rows, fewer where measured slower here unless measure_int8 is off); norms, embeddings and
+        # biases stay plain.
         matrices = [k for k in state if k.rsplit(".", 1)[-1] in _MATRICES]
         self.linear = {
-            k: Linear(state[k], state.get(k + "_bias"), pack_weights, int8_rows, measure_int8) for k in matrices
+            k: Linear(state[k], state.get(k + "_bias"), pack_weights, int8_rows, measure_int8, skinny_matmul)
+            for k in matrices
         }
         self.w = {k: v for k, v in state.items() if k not in matrices}
         self.layers = [self._layer(f"layers.{i}") for i in range(shape.num_layers)]
@@ -151,12 +154,13 @@ class Decoder:
         fused_ops: bool = True,
         decode_kernel: bool = True,
         measure_int8: bool = True,
+        skinny_matmul: bool = True,
     ) -> Decoder:
         shape = ModelShape.from_hf_config(hf_model.config)
         sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
         state = _gpt2_state(sd, shape) if shape.family == "gpt2" else _llama_state(sd, shape)
         state = {k: v.to(device, dtype).contiguous() for k, v in state.items()}
-        return cls(shape, state, pack_weights, int8_rows, fused_ops, decode_kernel, measure_int8)
+        return cls(shape, state, pack_weights, int8_rows, fused_ops, decode_kernel, measure_int8, skinny_matmul)
 
     def _norm_weights(self, prefix: str) -> Norm:
         return Norm(self.w[prefix + ".weight"], self.w.get(prefix + ".bias"))

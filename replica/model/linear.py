@@ -81,10 +81,10 @@ def can_int8(weight: torch.Tensor) -> bool:
 
 class Linear:
     """One weight matrix and its optional bias, called like F.linear. skinny: use the skinny
-    kernel's dense product up to its measured crossover (off: oneDNN at every step, as
-    benchmarks of it do). int8_rows: keep an int8 copy for steps of at most that many rows, fewer
-    where `crossover` measured it slower here (`measure_int8=False` takes int8_rows as it is, as
-    benchmarks of the int8 path do)."""
+    kernel's dense product up to its measured crossover (off: no plain copy kept, the packed or
+    plain product at every step the int8 copy does not serve). int8_rows: keep an int8 copy for
+    steps of at most that many rows, fewer where `crossover` measured it slower here
+    (`measure_int8=False` takes int8_rows as it is, as benchmarks of the int8 path do)."""
 
     def __init__(
         self,
@@ -117,6 +117,8 @@ class Linear:
             self.int8_rows = min(int8_rows, crossover("int8", self, self.quantized)) if measure_int8 else int8_rows
             if not self.int8_rows:
                 self.int8 = None  # never pays here: no copy kept
+        if self.int8_rows >= self.skinny_rows:  # int8 serves every step the plain copy would
+            self.plain, self.skinny_rows = None, 0
 
     @property
     def paths(self) -> str:
@@ -127,8 +129,9 @@ class Linear:
         return dense + skinny + int8
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T + b, plus `residual` where given (the skinny kernel and oneDNN's packed product
-        add it in the product's own pass: the layer's residual adds cost no pass of their own)."""
+        """x [rows, K] W^T + b, plus `residual` [rows, N] where given (the skinny kernel and
+        oneDNN's packed product add it in the product's own pass: the layer's residual adds cost no
+        pass of their own). x is 2-D: the skinny and int8 paths take no leading dims."""
         rows = x.shape[0]
         if 0 < rows <= self.int8_rows:
             return self.quantized(x, residual)
@@ -167,7 +170,9 @@ def _median_seconds(fns: dict[str, Callable[[], torch.Tensor]], reps: int) -> di
 
 
 def _crossover_key(path: str, linear: Linear) -> str:
-    cpu = hashlib.sha1(" ".join(sorted(cpu_info().flags)).encode()).hexdigest()[:8]
+    info = cpu_info()
+    flags = hashlib.sha1(" ".join(sorted(info.flags)).encode()).hexdigest()[:8]
+    cpu = f"{info.model}/{info.cores} cores/{flags}"
     versions = f"torch {torch.__version__}/kernel {skinny_matmul.source_hash()}"
     threads, shape = torch.get_num_threads(), f"{linear.shape[0]}x{linear.shape[1]}"
     return f"{path}/{cpu}/{versions}/{threads} threads/{linear.dtype}/{shape}/{linear.paths}"

@@ -48,6 +48,7 @@ class ModelRunner:
             int8_rows=config.int8_rows,
             fused_ops=config.fused_ops,
             decode_kernel=config.decode_kernel,
+            skinny_matmul=config.skinny_matmul,
         )
         shape = self.model.shape
         self.vocab_size, self.max_model_len = shape.vocab_size, shape.max_positions

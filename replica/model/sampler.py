@@ -47,7 +47,8 @@ class Sampler:
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's argmax: the C++ kernel where it serves (torch's CPU argmax is a scalar loop,
         a large share of a big decode step's sampling), else torch's; the same tokens either way."""
-        if self._kernel and logits.dtype == torch.float32 and logits.dim() == 2 and fused_ops.available(logits.device):
+        serves = logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(-1) == 1
+        if self._kernel and serves and fused_ops.available(logits.device):
             return fused_ops.argmax(logits)
         return logits.argmax(dim=-1)
 
