@@ -55,6 +55,26 @@ def test_queue_aware_disaggregates_only_where_it_pays():
     assert not slow.disaggregate(view(2000, decode_running=8))
 
 
+def report(
+    router: PdRouter, replica_id: str, running: int = 0, pending: int = 0, pricing: StepPricing | None = None
+) -> None:
+    """A load report from an 8-slot replica running `running` requests with `pending` prompt
+    tokens queued, priced by `pricing` (None: it reports no pricing)."""
+    router.report(
+        LoadReport(
+            replica_id,
+            queue_depth=0,
+            running=running,
+            free_slots=8 - running,
+            num_slots=8,
+            free_kv_tokens=5120,
+            time=0.0,
+            prefill_tokens_pending=pending,
+            pricing=pricing,
+        )
+    )
+
+
 def test_queue_aware_prices_prefill_at_the_replicas_reported_step_costs():
     """The same request on the same loads (8 decodes on the decode replica, 4,000 prompt tokens
     queued on the prefill replica, a link on which its K/V take 4.6 s) is disaggregated where the
@@ -70,8 +90,8 @@ def test_queue_aware_prices_prefill_at_the_replicas_reported_step_costs():
 
     def route(decode_price: StepPricing | None, prefill_price: StepPricing | None) -> str:
         router = PdRouter(["p", "d"], pools)
-        for rid, running, pending, pricing in (("p", 0, 4000, prefill_price), ("d", 8, 0, decode_price)):
-            router.report(LoadReport(rid, 0, running, 8 - running, 8, 5120, 0.0, pending, pricing=pricing))
+        report(router, "p", pending=4000, pricing=prefill_price)
+        report(router, "d", running=8, pricing=decode_price)
         return router.route(RouteRequest("q", prompt_len=2000, max_tokens=32)).replica_id
 
     slow, fast = priced(3.87e-3), priced(2e-5)  # the calibrated CPU model's price, and a fast machine's
@@ -91,19 +111,8 @@ def test_queue_aware_counts_what_was_routed_to_the_decode_replica_since_its_repo
     prefill would stall, so once a few are there the next is disaggregated, not colocated too."""
     pools = PdPools({"p": "prefill", "d": "decode"}, "queue_aware", 256, BYTES_PER_TOKEN, SAME_NODE)
     router = PdRouter(["p", "d"], pools)
-    for rid, pending in (("p", 2000), ("d", 0)):
-        router.report(
-            LoadReport(
-                rid,
-                queue_depth=0,
-                running=0,
-                free_slots=8,
-                num_slots=8,
-                free_kv_tokens=5120,
-                time=0.0,
-                prefill_tokens_pending=pending,
-            )
-        )
+    report(router, "p", pending=2000)
+    report(router, "d")
     chosen = [router.route(RouteRequest(f"q{i}", prompt_len=480, max_tokens=32)).replica_id for i in range(6)]
     # Colocated costs 480 tokens x (1 + k decodes), disaggregated 2000 + 480 backlogged ones.
     assert chosen == ["d"] * 5 + ["p"] and (router.colocated, router.disaggregated) == (5, 1)

@@ -54,7 +54,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits: [rows, vocab] float32, row i for requests[i]."""
-        held = [i for i, r in enumerate(requests) if r.params.min_tokens and r.num_output_tokens < r.params.min_tokens]
+        held = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
         if held:  # vLLM's min_tokens: EOS and stop ids may not come yet (a copy: logits may be an inference tensor)
             logits = logits.clone()
             for i in held:
