@@ -19,15 +19,23 @@ that ran longer still had to go (`OutputResiduals`). Counting such a row one ste
 would show a full replica a slot about to free, and send it requests that wait for one. The
 walk starts at that report, so the steps since then count as past. Each step is priced by the
 replica's own cost model (`protocol.cost.StepPricing`, on its load reports), so replicas of
-different speeds are told apart from their first report; a replica that reports none (a real
-model) is priced by `DEFAULT_PRICING` until its correction has learned it.
+different speeds are told apart from their first report; a real model reports the prices it
+measured from its own steps (`replica.pricing`) once it has run a few dozen, and until then is
+priced by `DEFAULT_PRICING`, which its correction scales to its speed.
 
-The correction: each replica's reports say how long its requests waited for their first token
+The corrections: each replica's reports say how long its requests waited for their first token
 (`LoadReport.ttft`), and the policy keeps, per replica, an exponentially weighted mean of
 log(measured / predicted): what its pricing misses (a model's real speed, steps the walk does
-not foresee). Both predictions are multiplied by it. The predicted TTFT of the chosen replica is
-what the decision records (`Decision.predicted_ttft`), and reports compare it with the measured
-one (`metrics.goodput_report`: TTFT prediction MAPE).
+not foresee). The TPOT has its own, learned the same way from the decode its reports show: a
+request's time per token over its first `TPOT_STEPS` tokens after the first, read off two
+reports' `tokens_made`, against the TPOT predicted at its dispatch. The walk sees only the
+requests already routed, so it misses what decode pays for the prompts routed there while the
+request runs (each prefill chunk lengthens a step of every running row) and the serving loop's
+own time per step; a replica whose decode is near the TPOT limit (a slow one) passes the filter
+on the walk alone and then misses it. Until a replica has shown a TPOT, its TTFT correction
+stands in for both (a replica that reports no pricing is slower or faster as a whole). The
+predicted TTFT of the chosen replica is what the decision records (`Decision.predicted_ttft`),
+and reports compare it with the measured one (`metrics.goodput_report`: TTFT prediction MAPE).
 
 The walk is bounded (`MAX_WALK_STEPS`); past it the prediction is what it has reached, which
 already ranks that replica behind any that can serve sooner.
@@ -46,7 +54,7 @@ from protocol.messages import LoadReport
 from protocol.routing import RouteRequest
 from router.load import ReplicaView
 
-# A replica that reports no pricing: SmolLM2-135M's step costs as fitted on a 2-core CPU
+# A replica that reports no pricing yet: SmolLM2-135M's step costs as fitted on a 2-core CPU
 # (`workloads/experiments/cost_model.json`); the correction scales it to the replica's speed.
 DEFAULT_PRICING = StepPricing(
     LinearCostModel(c0=0.117, c_decode=0.00805, c_prefill=0.00387, c_ctx=4.0e-6, c_held=0.00845),
@@ -88,6 +96,8 @@ class _Placed:
     cached: int  # prompt tokens inside it
     expected_output: float
     predicted_ttft: float  # before the correction: what the error is learned against
+    predicted_tpot: float  # likewise
+    decode_seen: tuple[float, int] | None = None  # (report time, tokens made) of its first report decoding
 
 
 @dataclass(eq=False)
@@ -114,7 +124,8 @@ class LatencyModel:
         self.tpot_slo = tpot_slo
         self._placed: dict[str, _Placed] = {}
         self._by_replica: dict[str, dict[str, _Placed]] = {}  # dispatch order
-        self._log_error: dict[str, float] = {}  # replica -> running mean of log(measured / predicted)
+        self._log_error: dict[str, float] = {}  # replica -> running mean of log(measured / predicted TTFT)
+        self._log_tpot_error: dict[str, float] = {}  # the same for TPOT
         self._caching: set[str] = set()  # replicas whose reports carry K/V events: a prefix cache
         self._last: dict[str, tuple[Prediction, int]] = {}  # the last scoring's raw predictions, cached tokens
         self.residuals = OutputResiduals()
@@ -137,12 +148,17 @@ class LatencyModel:
         return [p.ttft if ok else math.inf for p, ok in zip(predicted, eligible)]
 
     def correction(self, replica_id: str) -> float:
-        """What this replica's raw predictions are multiplied by (1 until it has reported a TTFT)."""
+        """What this replica's raw TTFT is multiplied by (1 until it has reported a TTFT)."""
         return math.exp(self._log_error.get(replica_id, 0.0))
 
+    def tpot_correction(self, replica_id: str) -> float:
+        """What this replica's raw TPOT is multiplied by: its TTFT correction until its reports
+        have shown a request's decode."""
+        log_error = self._log_tpot_error.get(replica_id)
+        return self.correction(replica_id) if log_error is None else math.exp(log_error)
+
     def corrected(self, replica_id: str, raw: Prediction) -> Prediction:
-        k = self.correction(replica_id)
-        return Prediction(raw.ttft * k, raw.tpot * k)
+        return Prediction(raw.ttft * self.correction(replica_id), raw.tpot * self.tpot_correction(replica_id))
 
     def predict_raw(
         self, request: RouteRequest, view: ReplicaView, cached: int = 0, expected_output: float = 1.0
@@ -182,6 +198,7 @@ class LatencyModel:
             cached,
             expected_output,
             math.nan if raw is None else raw.ttft,
+            math.nan if raw is None else raw.tpot,
         )
         self._placed[request.request_id] = placed
         self._by_replica.setdefault(replica_id, {})[request.request_id] = placed
@@ -196,7 +213,8 @@ class LatencyModel:
             del self._by_replica[placed.replica_id][request_id]
 
     def reported(self, load: LoadReport) -> None:
-        """Learn the replica's error from the TTFTs its report shows, once per request."""
+        """Learn the replica's errors from the TTFTs and the decode its report shows, once per
+        request each."""
         if load.kv_events is not None:
             self._caching.add(load.replica_id)
         held = self._by_replica.get(load.replica_id)
@@ -206,15 +224,34 @@ class LatencyModel:
             placed = held.get(request_id)
             if placed is None or not placed.predicted_ttft > 0 or measured <= 0:
                 continue  # not placed here, already learned from, or a moved request's carried tokens
-            ratio = min(MAX_ERROR_RATIO, max(1 / MAX_ERROR_RATIO, measured / placed.predicted_ttft))
-            old = self._log_error.get(load.replica_id, 0.0)
-            self._log_error[load.replica_id] = old + CORRECTION_WEIGHT * (math.log(ratio) - old)
+            _learn(self._log_error, load.replica_id, measured / placed.predicted_ttft, 0.0)
             placed.predicted_ttft = math.nan  # one sample per request
+        for request_id, made in load.tokens_made.items():
+            placed = held.get(request_id)
+            if placed is None or made < 1 or not 0 < placed.predicted_tpot < math.inf or placed.dispatched > load.time:
+                continue  # not placed here, no token yet, already learned from, or predicted to make none
+            if placed.decode_seen is None:
+                placed.decode_seen = (load.time, made)
+                continue
+            since, made_then = placed.decode_seen
+            if made - made_then >= TPOT_STEPS:
+                measured = (load.time - since) / (made - made_then)
+                prior = self._log_error.get(load.replica_id, 0.0)  # what stood in for it
+                _learn(self._log_tpot_error, load.replica_id, measured / placed.predicted_tpot, prior)
+                placed.predicted_tpot = math.nan
 
     def predicted_ttft(self, replica_id: str) -> float | None:
         """The last scoring's corrected TTFT for the replica (what a decision records)."""
         last = self._last.get(replica_id)
         return None if last is None else self.corrected(replica_id, last[0]).ttft
+
+
+def _learn(log_errors: dict[str, float], replica_id: str, ratio: float, prior: float) -> None:
+    """One error sample (measured / predicted, clipped) into the replica's running mean of
+    log errors, which starts from `prior`."""
+    ratio = min(MAX_ERROR_RATIO, max(1 / MAX_ERROR_RATIO, ratio))
+    old = log_errors.get(replica_id, prior)
+    log_errors[replica_id] = old + CORRECTION_WEIGHT * (math.log(ratio) - old)
 
 
 def _walk(pricing: StepPricing, slots: int, rows: list[_Row], new: _Row, age: float) -> Prediction:

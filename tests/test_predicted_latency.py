@@ -21,7 +21,7 @@ from replica.serving.loop import ReplicaConfig
 from router.errors import RoutingError
 from router.load import ReplicaView
 from router.policies import make_routing_policy
-from router.predicted_latency import LatencyModel
+from router.predicted_latency import TPOT_STEPS, LatencyModel
 from router.router import Router
 from sim.simulator import SimulationConfig, simulate
 from workloads.standard import heavy_tail_spec
@@ -69,6 +69,40 @@ def test_prediction_tracks_a_slow_replica_after_correction():
     corrected = model.corrected("slow", model.predict_raw(request, idle, expected_output=8)).ttft
     assert corrected == pytest.approx(2 * priced, rel=0.1)
     assert model.correction("fast") == 1.0
+
+
+def test_tpot_correction_learns_the_decode_a_replica_reports():
+    """A replica whose requests decode 1.5x slower than the walk prices them (prompts routed
+    there later lengthen its steps): once its reports have shown the decode of a few requests
+    over TPOT_STEPS tokens, its corrected TPOT is within 10% of 1.5x the priced one while its
+    TTFT correction, learned from first tokens that came as priced, stays 1, and a TPOT limit
+    the priced TPOT meets but the learned one does not scores it out."""
+    model = LatencyModel()
+    pricing = StepPricing(STEP, 256)
+    idle = ReplicaView("a", 0, _report("a", 0.0, pricing), 0.0)
+    probe = RouteRequest("probe", prompt_len=100, max_tokens=64)
+    priced = model.predict_raw(probe, idle, expected_output=64.0)
+    for i in range(40):
+        rid, t = f"q{i}", float(i)
+        model.scores(RouteRequest(rid, 100, 64), [idle], {}, 64.0)
+        model.dispatched(RouteRequest(rid, 100, 64), "a", now=t, expected_output=64.0)
+        placed = model._by_replica["a"][rid]
+        first = t + placed.predicted_ttft
+        model.reported(_report("a", first, pricing, ttft={rid: placed.predicted_ttft}, tokens_made={rid: 1}, running=1))
+        made = 1 + TPOT_STEPS
+        later = first + 1.5 * placed.predicted_tpot * TPOT_STEPS
+        model.reported(_report("a", later, pricing, tokens_made={rid: made}, running=1))
+        model.completed(rid)
+    assert model.correction("a") == pytest.approx(1.0)
+    assert model.tpot_correction("a") == pytest.approx(1.5, rel=0.1)
+    corrected = model.corrected("a", priced)
+    assert corrected.tpot == pytest.approx(1.5 * priced.tpot, rel=0.1)
+    limit = 1.25 * priced.tpot
+    assert LatencyModel(limit).scores(probe, [idle], {}, 64.0) == [pytest.approx(priced.ttft)]
+    model.tpot_slo = limit
+    other = ReplicaView("b", 0, _report("b", 0.0, StepPricing(STEP.scaled(1.1), 256)), 0.0)
+    scores = model.scores(probe, [idle, other], {}, 64.0)
+    assert scores[0] == float("inf") and scores[1] < float("inf")
 
 
 def test_prediction_prices_the_queue_and_the_replica_speed():
@@ -326,10 +360,10 @@ def test_experiment_file_gives_each_replica_its_speed(tmp_path):
     shutil.copy("workloads/experiments/cost_model.json", tmp_path)
     plan = plan_experiment(shipped, simulate=True)
     config = SimulatedBackend(plan, None)._config(plan.cells[0], "predicted_latency", 0)
-    assert config.cost_scales == [0.125, 0.125, 0.25, 0.25]
+    assert config.cost_scales == [0.0625, 0.0625, 0.25, 0.25]
     text = open(shipped).read()
     for change, error in (
-        (("cost_scales = [0.125, 0.125, 0.25, 0.25]", "cost_scales = [0.125, 0.25]"), "one scale per replica"),
+        (("cost_scales = [0.0625, 0.0625, 0.25, 0.25]", "cost_scales = [0.0625, 0.25]"), "one scale per replica"),
         (('"predicted_latency"]', '"predicted_latency", "serve_power_of_two"]'), "identical replicas"),
     ):
         path = tmp_path / "het.toml"
