@@ -10,9 +10,11 @@ speed from its first report on."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass
 from typing import Protocol
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -98,6 +100,40 @@ class LinearCostModel(BaseModel):
         (or slower), so a wall-clock experiment on fake replicas fits its time."""
         names = ("c0", "c_decode", "c_prefill", "c_ctx", "c_held")
         return LinearCostModel(**{n: c * factor for n, c in zip(names, self.coefficients)})
+
+
+# Seconds from a step's end to the next one's start that still count as the serving loop going
+# on: a longer gap is an idle wait for an arrival, so a step followed by one is timed alone
+# (`replica.pricing`, and the simulator's `step_overhead`, which cannot measure loop work of
+# this much or more per step since it is dropped with the idle waits).
+MAX_LOOP_GAP = 0.01
+
+
+def fit_linear_cost(samples: Sequence[tuple[StepFeatures, float]]) -> LinearCostModel:
+    """The `LinearCostModel` that fits (features, measured seconds) samples best by
+    non-negative least squares: what the simulator's calibration fits to recorded steps
+    (`sim.cost_model.FittedCostModel`) and a real replica to its own (`replica.pricing`)."""
+    x = np.array([(1, *astuple(f)) for f, _ in samples], dtype=float)
+    y = np.array([t for _, t in samples], dtype=float)
+    return LinearCostModel(**dict(zip(("c0", "c_decode", "c_prefill", "c_ctx", "c_held"), _nnls(x, y).tolist())))
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients >= 0 (no scipy here): solve on the active columns and
+    drop the most negative coefficient until none is negative. Columns are scaled to unit
+    norm first, since context tokens run to 1e5 while the intercept column is ones."""
+    scale = np.linalg.norm(x, axis=0)
+    scale[scale == 0] = 1.0
+    xs = x / scale
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol = np.linalg.lstsq(xs[:, active], y, rcond=None)[0]
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        del active[int(np.argmin(sol))]
+    return coef / scale
 
 
 @dataclass(frozen=True)

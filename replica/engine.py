@@ -25,6 +25,7 @@ from protocol.records import StepRecord
 from protocol.replicas import Resume
 from replica.config import EngineConfig
 from replica.errors import ConfigError, InvalidRequestError, InvariantViolation, RequestTooLongError
+from replica.pricing import MeasuredPricing
 from replica.scheduling.handover import KvTransfer, can_export
 from replica.scheduling.policies import make_scheduler
 from replica.scheduling.request import FinishReason, Request, SamplingParams
@@ -102,11 +103,12 @@ class Engine:
         self.runner = runner
         self.tokenizer = runner.tokenizer
         self.scheduler = make_scheduler(self.config.policy, self.config, self.clock)
-        # How its steps are priced, on its load reports for a router that predicts latency:
-        # known for a fake runner only (`step_cost`), a real model's speed the router learns.
+        # How its steps are priced, on its load reports for a router that predicts latency: a
+        # fake runner states its cost model (`step_cost`); a real model's is fitted to its steps.
         cost = getattr(runner, "step_cost", None)
         budget = self.config.token_budget if self.scheduler.reads_token_budget else None
-        self.pricing = None if cost is None else StepPricing(cost, budget)
+        self.stated_pricing = None if cost is None else StepPricing(cost, budget)
+        self.measured_pricing = MeasuredPricing(budget) if cost is None else None
         self.requests: dict[str, Request] = {}  # unfinished ones
         self._ids = itertools.count()
         self._steps = itertools.count()
@@ -278,6 +280,11 @@ class Engine:
             pricing=self.pricing,
         )
 
+    @property
+    def pricing(self) -> StepPricing | None:
+        """Its step prices as its load reports state them (None: a real model not yet measured)."""
+        return self.stated_pricing if self.measured_pricing is None else self.measured_pricing.pricing
+
     def step(self) -> StepResult:
         out = self.scheduler.schedule()
         if self.kv_transfer.pending:
@@ -299,7 +306,7 @@ class Engine:
         return StepResult(outputs, self._record(out, start, live_slots))
 
     def _record(self, out: SchedulerOutput, start: float, live_slots: int) -> StepRecord:
-        return StepRecord(
+        record = StepRecord(
             step=next(self._steps),
             start=start,
             duration=self.clock.now() - start,
@@ -312,6 +319,9 @@ class Engine:
             num_preemptions=len(out.preempted),
             queue_depth=len(self.scheduler.waiting),
         )
+        if self.measured_pricing is not None:
+            self.measured_pricing.observe(record)
+        return record
 
     def _append(self, request: Request, token: int, now: float) -> RequestOutput:
         request.output_token_ids.append(token)

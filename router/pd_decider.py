@@ -19,8 +19,9 @@ A prefill token is priced at what each replica's steps cost: the `c_prefill` of 
 experiment's `cluster.cost_model` or `ClusterSpec.replica.fake_cost` gives it and the simulator
 pays too), the decode replica's for a colocated prefill and the prefill replica's for a
 disaggregated one, so the comparison uses the prices the replicas pay, each at its own speed.
-A replica whose reports carry no pricing (a real model, whose speed no cost model states) is
-priced at `PdCosts.prefill_seconds_per_token`.
+A real replica reports the prices it measured from its own steps (`replica.pricing`) once it
+has run a few dozen; one whose reports carry no pricing yet is priced at
+`PdCosts.prefill_seconds_per_token`.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class PdView:
 @dataclass(frozen=True)
 class PdCosts:
     """What the queue-aware rule prices with: the link, and the seconds per prefill token of a
-    replica that reports no pricing (a rough figure for a real model; the one default)."""
+    replica that reports no pricing yet (a rough figure for a real model; the one default)."""
 
     prefill_seconds_per_token: float = 2e-4
     link: KvLink = SAME_NODE

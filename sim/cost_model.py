@@ -8,21 +8,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from protocol.cost import LinearCostModel, StepFeatures
+from protocol.cost import MAX_LOOP_GAP, LinearCostModel, StepFeatures, fit_linear_cost
 from replica.errors import ConfigError
 
 FEATURES = ("decode_tokens", "prefill_tokens", "context_tokens", "padding_rows")
-# Seconds from a step's end to the next one's start that still count as the loop going on: a
-# longer gap is an idle wait for an arrival, so loop work of this much or more per step is
-# dropped with the idle waits and cannot be measured (`step_overhead`).
-MAX_LOOP_GAP = 0.01
 
 
 class FitQuality(BaseModel):
@@ -58,12 +53,9 @@ class FittedCostModel(LinearCostModel):
             raise ConfigError(
                 f"need at least {2 * (len(FEATURES) + 1) + 2} samples to fit a cost model, got {len(samples)}"
             )
-        x, y = _design(train)
-        model = cls(
-            **dict(zip(("c0", "c_decode", "c_prefill", "c_ctx", "c_held"), _nnls(x, y).tolist())), machine=machine or {}
-        )
-        xh, yh = _design(held)
-        pred = xh @ np.array(model.coefficients)
+        model = cls(**fit_linear_cost(train).model_dump(), machine=machine or {})
+        pred = np.array([model.predict(f) for f, _ in held])
+        yh = np.array([t for _, t in held])
         total = float(((yh - yh.mean()) ** 2).sum())
         r2 = 1.0 - float(((yh - pred) ** 2).sum()) / total if total > 0 else float("nan")
         rel = float(np.median(np.abs(pred - yh) / np.maximum(yh, 1e-12)))
@@ -85,30 +77,6 @@ class FittedCostModel(LinearCostModel):
             raise ConfigError(f"no cost model at {path} (make one with `slotserve calibrate --out {path}`)") from None
         except (ValidationError, json.JSONDecodeError) as err:
             raise ConfigError(f"{path} is not a slotserve cost model: {err}") from None
-
-
-def _design(samples: Sequence[tuple[StepFeatures, float]]) -> tuple[np.ndarray, np.ndarray]:
-    """The design matrix (a column of ones for c0, then the features) and the targets."""
-    x = np.array([(1, *astuple(f)) for f, _ in samples], dtype=float)
-    return x, np.array([t for _, t in samples], dtype=float)
-
-
-def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with coefficients >= 0 (no scipy here): solve on the active columns and
-    drop the most negative coefficient until none is negative. Columns are scaled to unit
-    norm first, since context tokens run to 1e5 while the intercept column is ones."""
-    scale = np.linalg.norm(x, axis=0)
-    scale[scale == 0] = 1.0
-    xs = x / scale
-    active = list(range(x.shape[1]))
-    coef = np.zeros(x.shape[1])
-    while active:
-        sol = np.linalg.lstsq(xs[:, active], y, rcond=None)[0]
-        if (sol >= 0).all():
-            coef[active] = sol
-            break
-        del active[int(np.argmin(sol))]
-    return coef / scale
 
 
 def step_overhead(steps: Sequence[dict], cost: LinearCostModel) -> float | None:
