@@ -25,6 +25,13 @@ imports took is counted as growing with its requests, so the memory estimate is 
 
     .venv/bin/python -m benchmarks.autoscaling_scale                      # a full day, 256 replicas
     .venv/bin/python -m benchmarks.autoscaling_scale --day-s 300          # a 5-minute compressed day
+    .venv/bin/python -m benchmarks.autoscaling_scale --router             # the router's decisions alone
+
+`--router` measures instead the router's cost per decision as the replicas grow: route and
+complete in a loop on the pure `Router` (virtual clock) over 16, 64 and 256 replicas, each with
+4 requests in flight on average and one load report per decision, with the per-replica decision
+figures off (as the day's run keeps them) and on, for the policies that choose from the router's
+index of routable replicas; it prints decisions per second.
 """
 
 from __future__ import annotations
@@ -37,8 +44,12 @@ from pathlib import Path
 
 from autoscaling.policies import AutoscaleConfig
 from metrics.definitions import SLO
+from protocol.clock import FakeClock
+from protocol.messages import LoadReport
+from protocol.routing import RouteRequest
 from replica.config import EngineConfig
 from replica.kernels.cpu import cpu_info
+from router.router import Router
 from sim.autoscaling import AutoscalingSimulator
 from sim.cost_model import FittedCostModel
 from sim.simulator import SimulationConfig, measure_capacity
@@ -51,6 +62,8 @@ BOUNDS = {"min_replicas": 1, "cooldown_s": 30.0, "period_s": 1.0}
 DAY_S = 86_400.0
 SIZING_SAMPLE = 10_000  # length draws the mean work of a request is taken over
 BURST_SHARE = 1 / 720  # a burst lasts this share of the day: 2 minutes of a real one
+ROUTER_REPLICAS = (16, 64, 256)
+ROUTER_POLICIES = ("least_loaded", "power_of_two")
 
 
 def main() -> None:
@@ -62,7 +75,12 @@ def main() -> None:
     parser.add_argument("--cold-start", type=float, default=10.0, help="seconds from a replica asked for to serving")
     parser.add_argument("--speedup", type=float, default=1.0, help="the cost model run this many times faster")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--router", action="store_true", help="measure the router's decisions alone (see above)")
+    parser.add_argument("--decisions", type=int, default=20_000, help="with --router: decisions per measurement")
     args = parser.parse_args()
+    if args.router:
+        print_router_rates(args.decisions, args.seed)
+        return
     started = time.perf_counter()
     imported_rss = max_rss_mib()
     cost = FittedCostModel.load(COST_MODEL).scaled(1 / args.speedup)
@@ -129,6 +147,40 @@ def main() -> None:
             f"total {total:.0f} s; a {DAY_S:,.0f} s day at this rate: about {len(traces) * scale:,.0f} requests "
             f"in {simulated * scale:.0f} s (target: under 300 s), max RSS about {memory / 2**10:.1f} GiB"
         )
+
+
+def print_router_rates(decisions: int, seed: int) -> None:
+    print(f"router route + complete, {decisions:,} decisions each: decisions/s (us a decision)")
+    print(f"{'policy':<14} {'replicas':>8} {'figures off':>20} {'figures on':>20}")
+    for policy in ROUTER_POLICIES:
+        for replicas in ROUTER_REPLICAS:
+            rates = [router_rate(policy, replicas, decisions, seed, figures) for figures in (False, True)]
+            cells = " ".join(f"{r:>11,.0f} ({1e6 / r:>5.1f})" for r in rates)
+            print(f"{policy:<14} {replicas:>8} {cells}")
+
+
+def router_rate(policy: str, replicas: int, decisions: int, seed: int, figures: bool) -> float:
+    """Decisions per second of `Router.route` + `Router.complete`, with one load report each."""
+    rng = random.Random(seed)
+    clock = FakeClock()
+    ids = [f"r{i}" for i in range(replicas)]
+    router = Router(ids, policy, clock, seed=seed, decision_figures=figures)
+    window = 4 * replicas
+    free = [rng.randint(0, ENGINE.num_slots) for _ in range(decisions)]  # drawn ahead: not timed
+    reports = [
+        LoadReport(ids[i % replicas], 0 if f else i % 3, ENGINE.num_slots - f, f, ENGINE.num_slots, 512 * f, 0.0)
+        for i, f in enumerate(free)
+    ]
+    started = time.perf_counter()
+    for i in range(decisions):
+        clock.sleep(0.001)
+        router.route(RouteRequest(f"q{i}", 32, 64))
+        if i >= window:
+            router.complete(f"q{i - window}")
+        router.report(reports[i])
+        if i % 100 == 0:
+            router.drain_decisions()
+    return decisions / (time.perf_counter() - started)
 
 
 def max_rss_mib() -> float:

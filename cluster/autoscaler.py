@@ -25,7 +25,9 @@ in the cluster) are the policy's own (`autoscaling.base`). Each decision, with i
 reason, and each cold start go to the store's `scaling` and `cold_starts` tables while a run
 is recorded (as the router's routing decisions do), and to the live metrics
 (`cluster.prometheus_exporters.AutoscalerExporter`). The controller restarts without limit:
-a restarted one takes the router's replicas as serving (those it was draining, as draining).
+a restarted one takes each of the router's replicas in the state the router holds it in
+(`router_states`): draining (it finishes the drain), starting (it waits, within
+`start_timeout`, for its health check to pass, then counts it serving) or serving.
 The router restarts too, knowing then only the replicas the cluster started with (those still
 alive): every period the controller gives the router back each replica of its own the router
 has lost (down until its health check passes, as when it was first added), tells it again of
@@ -42,7 +44,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import ray
@@ -77,6 +79,15 @@ Drain = Callable[[ActorHandle, dict[str, ActorHandle], float], dict[str, dict[st
 
 def replica_index(replica_id: str) -> int:
     return int(replica_id.removeprefix("replica-"))
+
+
+def router_states(replica_ids: Iterable[str], down: Mapping[str, str]) -> dict[str, str]:
+    """The state of each of the router's replicas as the router holds it (`down`: its reasons,
+    `ScalingView.down`): draining, starting (routed nothing until its first health answer,
+    `router.actor`), or serving; one down for another reason (lost, unhealthy) was serving and
+    is again once its health check passes."""
+    held = {"draining": DRAINING, "starting": STARTING}
+    return {replica_id: held.get(down.get(replica_id, ""), SERVING) for replica_id in replica_ids}
 
 
 @dataclass
@@ -122,13 +133,14 @@ class AutoscalerActor:
         # on their way to the store, sent with the next decision made inside a run
         self._unsent: tuple[list[ScalingDecision], list[ColdStart]] = ([], [])
         handles = ray.get(self._router.replicas.remote(), timeout=60)
-        down = ray.get(self._router.scaling_view.remote(), timeout=60).down
+        states = router_states(handles, ray.get(self._router.scaling_view.remote(), timeout=60).down)
         now = time.time()
         for replica_id, handle in handles.items():
-            draining = down.get(replica_id) == "draining"
-            self._replicas[replica_id] = _Replica(replica_id, handle, DRAINING if draining else SERVING, now, True)
-            if draining:  # this controller restarted mid-drain: finish it
-                self._spawn(self._drain_one, self._replicas[replica_id])
+            replica = self._replicas[replica_id] = _Replica(replica_id, handle, states[replica_id], now, True)
+            if replica.state == DRAINING:  # this controller restarted mid-drain: finish it
+                self._spawn(self._drain_one, replica)
+            elif replica.state == STARTING:  # ... or mid-start (or the router restarted): see it up
+                self._spawn(self._finish_start, replica)
         self._next_index = 1 + max((replica_index(r) for r in handles), default=-1)
         threading.Thread(target=self._loop, daemon=True, name="slotserve-autoscaler").start()
 
@@ -248,14 +260,9 @@ class AutoscalerActor:
             ray.get(self._router.add_replica.remote(replica_id, f"{self._prefix}{index}"), timeout=60)
             with self._lock:
                 replica.registered = True
-            if wait_until_up(self._router, [replica_id], deadline, time.time):
-                raise ClusterError(f"no passed health check within {self.start_timeout:g} s")
+            self._wait_up(replica, deadline)
         except Exception as err:  # noqa: BLE001 - a start that failed is reported and undone
-            self._error(f"{replica_id} did not start: {type(err).__name__}: {str(err)[:200]}")
-            ray.kill(handle)
-            self._router.remove_replica.remote(replica_id)
-            with self._lock:
-                self._replicas.pop(replica_id, None)
+            self._abandon(replica, err)
             return
         ready = time.time()
         cold = ColdStart(replica_id, requested, loaded - requested, first_step - requested, ready - requested)
@@ -264,6 +271,29 @@ class AutoscalerActor:
             self._cold_starts.append(cold)
             self._unsent[1].append(cold)
         self._telemetry.on_cold_start(cold, None)
+
+    def _finish_start(self, replica: _Replica) -> None:
+        """A replica the router held starting when this controller started: serving once its
+        health check passes (its cold start was not seen here, so none is recorded)."""
+        try:
+            self._wait_up(replica, replica.since + self.start_timeout)
+        except Exception as err:  # noqa: BLE001 - a start that failed is reported and undone
+            self._abandon(replica, err)
+            return
+        with self._lock:
+            replica.state, replica.since = SERVING, time.time()
+
+    def _wait_up(self, replica: _Replica, deadline: float) -> None:
+        if wait_until_up(self._router, [replica.replica_id], deadline, time.time):
+            raise ClusterError(f"no passed health check within {self.start_timeout:g} s")
+
+    def _abandon(self, replica: _Replica, err: Exception) -> None:
+        """A start that failed: reported, its actor stopped, the router and this table rid of it."""
+        self._error(f"{replica.replica_id} did not start: {type(err).__name__}: {str(err)[:200]}")
+        ray.kill(replica.handle)
+        self._router.remove_replica.remote(replica.replica_id)
+        with self._lock:
+            self._replicas.pop(replica.replica_id, None)
 
     def _drain_one(self, replica: _Replica) -> None:
         """Drain the replica (see the module docstring), then have the router forget it."""

@@ -17,15 +17,17 @@ that reports a failed or stalled loop is killed so Ray restarts it; a replica Ra
 attached to this router again and marked up only once its health check passes. A replica being
 drained stays down until it is gone.
 
-A replica that has not answered once yet is `starting` (down, routed nothing): those a new
-router is created with, and each one `add_replica` brings. Its actor answers only once it is
+A replica that has not answered this router once yet is `starting` (down, routed nothing):
+those a new router is created with, those a router Ray restarted holds, and each one
+`add_replica` brings. Its actor answers only once it is
 built, and building one (loading a model, compiling kernels) may take minutes on a busy
 machine, so its silence is not held against it: `health_timeout` applies from its first answer
 on, as Kubernetes' startup probe precedes its liveness probe. Whoever started it bounds the
 start (`cluster.deploy.start_cluster`, which returns only once every replica is up, and the
-autoscaling controller's `start_timeout`). Requests meanwhile go to the replicas that are up; a
-router Ray restarted takes the replicas it was created with as up, since they had answered the
-router it replaces.
+autoscaling controller's `start_timeout`). Requests meanwhile go to the replicas that are up. A
+router Ray restarted cannot tell a replica that had answered the router it replaces from one
+still loading (that router may have died while `start_cluster` waited), so it holds every one
+starting too; one that is built answers within a health period and is routed to again.
 
 Scaling: the autoscaling controller (`cluster.autoscaler`) reads `scaling_view` every decision
 period (the last load reports, the requests in flight, the new requests routed since its last
@@ -109,10 +111,10 @@ class RouterActor:
         self._telemetry = telemetry(self._router) if telemetry else RouterTelemetry()
         for replica_id in replica_handles.keys() - self._handles.keys():
             self._router.mark_down(replica_id, "gone")
-        # not answered a health question yet (see the module docstring); without health checks
-        # nothing would mark them up, so they are taken as up from the start
+        # not answered a health question yet, restarted or not (see the module docstring);
+        # without health checks nothing would mark them up, so they are taken as up from the start
         self._starting: set[str] = set()
-        if health_period is not None and not restarted:
+        if health_period is not None:
             for replica_id in self._handles:
                 self._start(replica_id)
         self._bound_given = max_in_flight is not None  # else the bound in all follows the replica count

@@ -11,6 +11,10 @@ Policies are pure: no Ray, no clock of their own (report ages come in the views)
 from a seeded `random.Random`. A policy that keeps state about requests (reserved work, an
 output-length estimate, a prefix index) hears of each dispatch and completion through
 `dispatched` and `completed`, which the router calls.
+
+A policy that needs no more than the least loaded replica, or a few replicas' load scores, is
+`indexed`: it chooses from the router's index of routable replicas (`router.load.RoutableIndex`)
+in O(log n) instead of scoring every view, with the same choice and tie-break.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from protocol.registry import Registry
 from protocol.routing import RouteRequest
 from router.block_index import BlockIndex, InFlightBlocks
 from router.length_predictor import BucketedLength, MeanLength
-from router.load import ReplicaView
+from router.load import ReplicaView, RoutableIndex
 from router.predicted_latency import LatencyModel
 from router.prefix_index import CAPACITY_BLOCKS, PrefixIndex
 from router.work import DECODE_WEIGHT, WorkLedger
@@ -35,6 +39,7 @@ class RoutingPolicy:
     name: str = ""
     uses_load = True  # whether decisions depend on load reports (else their signal age is None)
     uses_tpot_slo = False  # whether it routes within the run's TPOT SLO (then made with `tpot_slo`)
+    indexed = False  # whether it chooses from the routable index (`choose_indexed`), not from every view
 
     def __init__(self, seed: int = 0):
         self.rng = random.Random(seed)
@@ -47,6 +52,17 @@ class RoutingPolicy:
 
     def scores(self, request: RouteRequest, views: list[ReplicaView]) -> list[float]:
         raise NotImplementedError
+
+    def choose_indexed(self, request: RouteRequest, routable: RoutableIndex) -> tuple[int, dict[int, float]]:
+        """`choose` from the index (an `indexed` policy): the rank of the chosen replica (its
+        index in the routable views `choose` would be given), and the scores it looked at, by
+        rank. Makes the choice `choose` would make, with the same cursor and random draws."""
+        raise NotImplementedError
+
+    def indexed_scores(self, views: list[ReplicaView], looked: dict[int, float]) -> list[float]:
+        """Every routable replica's score for a decision `choose_indexed` made (`looked`: the
+        scores it looked at), as `scores` would have given them: here, +inf for the others."""
+        return [looked.get(i, math.inf) for i in range(len(views))]
 
     def dispatched(self, request: RouteRequest, replica_id: str, now: float) -> None:
         """The router sent `request` to `replica_id` (after `choose`)."""
@@ -77,6 +93,14 @@ class RoutingPolicy:
         best = min(scores)
         n = len(scores)
         index = next(i for i in ((self._cursor + k) % n for k in range(n)) if scores[i] == best)
+        self._cursor = (index + 1) % n
+        return index
+
+    def _pick_looked(self, looked: dict[int, float], n: int) -> int:
+        """`_pick` over `n` scores of which only `looked` (by index) are finite."""
+        best = min(looked.values())
+        cursor = self._cursor
+        index = min((i for i, s in looked.items() if s == best), key=lambda i: (i - cursor) % n)
         self._cursor = (index + 1) % n
         return index
 
@@ -127,8 +151,18 @@ class LeastLoaded(RoutingPolicy):
     counting them too would not change the ranking."""
 
     name = "least_loaded"
+    indexed = True
 
     def scores(self, request: RouteRequest, views: list[ReplicaView]) -> list[float]:
+        return [v.load_score for v in views]
+
+    def choose_indexed(self, request: RouteRequest, routable: RoutableIndex) -> tuple[int, dict[int, float]]:
+        n = len(routable)
+        index = routable.least_loaded(self._cursor % n)
+        self._cursor = (index + 1) % n
+        return index, {index: routable.score_at(index)}
+
+    def indexed_scores(self, views: list[ReplicaView], looked: dict[int, float]) -> list[float]:
         return [v.load_score for v in views]
 
 
@@ -137,10 +171,16 @@ class PowerOfTwo(RoutingPolicy):
     needs a fresh look at only two replicas. Unsampled replicas score +inf."""
 
     name = "power_of_two"
+    indexed = True
 
     def scores(self, request: RouteRequest, views: list[ReplicaView]) -> list[float]:
         sampled = set(self.rng.sample(range(len(views)), min(2, len(views))))
         return [v.load_score if i in sampled else math.inf for i, v in enumerate(views)]
+
+    def choose_indexed(self, request: RouteRequest, routable: RoutableIndex) -> tuple[int, dict[int, float]]:
+        n = len(routable)
+        looked = {i: routable.score_at(i) for i in self.rng.sample(range(n), min(2, n))}
+        return self._pick_looked(looked, n), looked
 
 
 class SessionAffinity(RoutingPolicy):

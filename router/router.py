@@ -5,7 +5,12 @@ around it (router/actor.py); tests and the simulator use it directly with a virt
 It also keeps the cluster's front door bounded: a replica marked down (lost, unhealthy or
 draining) gets nothing until it is marked up again, and past `max_in_flight_per_replica` on
 every replica that is up, or `max_in_flight` in all, a request is refused at once with an
-OverloadedError whose retry-after is the time the recent completion rate needs to free a place."""
+OverloadedError whose retry-after is the time the recent completion rate needs to free a place.
+
+A decision costs O(log n) in the replicas when the policy chooses from the load view's index of
+routable replicas (`RoutingPolicy.indexed`: `least_loaded`, `power_of_two`) and the router keeps
+no per-replica figures (`decision_figures=False`, what a simulated day on hundreds of replicas
+asks for); otherwise building every replica's view and figures makes it O(n)."""
 
 from __future__ import annotations
 
@@ -37,11 +42,15 @@ class Router:
         max_in_flight_per_replica: int = defaults.MAX_IN_FLIGHT_PER_REPLICA,
         max_in_flight: int | None = None,
         tpot_slo: float = defaults.TPOT_SLO,
+        decision_figures: bool = True,
     ):
         """`max_decisions` bounds the undrained decision log; past it the oldest are dropped
         and counted in `decisions_dropped`. `max_in_flight` defaults to
         `max_in_flight_per_replica` times the replicas. `tpot_slo`: the TPOT limit of the SLO
-        the run is judged by, which a policy that predicts TPOT routes within."""
+        the run is judged by, which a policy that predicts TPOT routes within.
+        `decision_figures=False`: a decision's `scores` and `in_flight` hold the chosen
+        replica's figures alone, and its `signal_age` is that replica's report age (for a
+        caller that keeps no decisions; the choices are the same)."""
         if not replica_ids:
             raise RoutingError("a router needs at least one replica; got none")
         if max_in_flight_per_replica < 1 or (max_in_flight is not None and max_in_flight < 1):
@@ -50,7 +59,6 @@ class Router:
                 f"got {max_in_flight_per_replica} per replica, {max_in_flight} in all"
             )
         _check_tpot_slo(tpot_slo)
-        self.max_in_flight_per_replica = max_in_flight_per_replica
         self.max_in_flight = max_in_flight or max_in_flight_per_replica * len(replica_ids)
         self.down: dict[str, str] = {}  # replica id -> why it gets no requests
         self.rejected = 0
@@ -61,7 +69,8 @@ class Router:
         self.policy = make_routing_policy(policy, seed, tpot_slo)
         self.policy.attach_block_index(self.block_index)
         self.clock = clock or WallClock()
-        self.load = LoadView(replica_ids)
+        self.load = LoadView(replica_ids, max_in_flight_per_replica)
+        self.decision_figures = decision_figures
         self._decisions: deque[Decision] = deque(maxlen=max_decisions)
         self.decisions_dropped = 0
         self.routed = 0
@@ -69,6 +78,10 @@ class Router:
     @property
     def replica_ids(self) -> list[str]:
         return self.load.replica_ids
+
+    @property
+    def max_in_flight_per_replica(self) -> int:
+        return int(self.load.max_in_flight_per_replica)
 
     def route(self, request: RouteRequest) -> Decision:
         """Choose a replica that is up and under its bound, count the request in flight there,
@@ -80,10 +93,13 @@ class Router:
         elif owner is not None:
             raise RoutingError(f"request {request.request_id!r} is already in flight on {owner!r}")
         now = self.clock.now()
-        views = [v for v in self.load.views(now) if v.replica_id not in self.down]
-        self._check_capacity(views)
-        views = [v for v in views if v.in_flight < self.max_in_flight_per_replica]
-        policy, views, index, scores = self._choose(request, views)
+        self._check_capacity()
+        if self.policy.indexed and type(self)._choose is Router._choose:  # not a router that picks a pool first
+            policy, views, index, scores = self._choose_indexed(request, now)
+        else:
+            policy, views, index, scores = self._choose(request, self.load.routable_views(now))
+            if not self.decision_figures:
+                views, scores, index = [views[index]], [scores[index]], 0
         ages = []
         if policy.uses_load:
             ages = [v.report_age for v, s in zip(views, scores) if v.report_age is not None and not math.isinf(s)]
@@ -113,16 +129,26 @@ class Router:
         index, scores = self.policy.choose(request, views)
         return self.policy, views, index, scores
 
-    def _check_capacity(self, views: list) -> None:
+    def _choose_indexed(self, request: RouteRequest, now: float) -> tuple[RoutingPolicy, list, int, list[float]]:
+        """`_choose` by a policy that chooses from the index of routable replicas; only with
+        `decision_figures` are every routable replica's view and score built (in rank order)."""
+        policy = self.policy
+        index, looked = policy.choose_indexed(request, self.load.routable)
+        if not self.decision_figures:
+            return policy, [self.load.view(self.load.routable.replica_at(index), now)], 0, [looked[index]]
+        views = self.load.routable_views(now)
+        return policy, views, index, policy.indexed_scores(views, looked)
+
+    def _check_capacity(self) -> None:
         """OverloadedError when no replica is up, `max_in_flight` is reached, or every replica
         up is at `max_in_flight_per_replica`."""
-        if not views:
+        if not self.load.up_count:
             down = ", ".join(f"{r}: {why}" for r, why in self.down.items())
             raise self._reject("router", 0, f"no replica is up ({down})", 1.0)
-        total = sum(v.in_flight for v in views)
+        total = self.load.up_in_flight
         if total >= self.max_in_flight:
             raise self._reject("router", self.max_in_flight, f"{total} requests in flight", None, total)
-        if all(v.in_flight >= self.max_in_flight_per_replica for v in views):
+        if not len(self.load.routable):
             raise self._reject(
                 "router", self.max_in_flight_per_replica, "requests in flight on every replica that is up", None, 1
             )
@@ -141,13 +167,13 @@ class Router:
     def mark_down(self, replica_id: str, reason: str) -> list[str]:
         """Route nothing to the replica until `mark_up`; the requests in flight on it are
         forgotten (their clients move them) and returned."""
-        self.load.require(replica_id)
+        self.load.set_down(replica_id, True)
         self.down[replica_id] = reason
         return self.load.forget_in_flight(replica_id)
 
     def mark_up(self, replica_id: str) -> bool:
         """Route to the replica again (a health check passed); returns whether it was down."""
-        self.load.require(replica_id)
+        self.load.set_down(replica_id, False)
         return self.down.pop(replica_id, None) is not None
 
     def set_policy(self, policy: str, tpot_slo: float | None = None) -> None:

@@ -165,6 +165,7 @@ class Simulator:
         self.clock = FakeClock()  # the router's: global virtual time
         ids = [f"r{i}" for i in range(self.config.num_replicas)]
         self.router = self._make_router(ids)
+        self.router.decision_figures = keep_records  # no per-replica figures for decisions never kept
         self.replicas = [self._make_replica(i, rid) for i, rid in enumerate(ids)]
         self._by_id = {r.replica_id: r for r in self.replicas}
         self.schedule = ArrivalSchedule(workload)

@@ -491,6 +491,46 @@ def test_router_actor_holds_a_replica_starting_until_its_first_health_answer(gat
 
 
 @pytest.mark.timeout(300)
+def test_a_restarted_router_actor_holds_replicas_starting_until_they_answer_it(gated_actors):
+    """A router Ray restarts while a replica is still being built (as one may while
+    `start_cluster` waits for the first health checks) cannot tell it from one that had answered
+    the router it replaces: it holds both starting, routes again to the built one once it answers,
+    and routes nothing to the other, nor marks it down for its silence, until it is built."""
+    from router.actor import RouterActor
+
+    Gate, GatedReplica = gated_actors
+    gate = Gate.remote()
+    names = {"slow": "restart-test-slow", "quick": "restart-test-quick"}
+    replicas = [  # kept referenced: the router finds them by name
+        GatedReplica.options(name=names["slow"]).remote("slow", gate),
+        GatedReplica.options(name=names["quick"]).remote("quick"),
+    ]
+    router = RouterActor.options(max_restarts=-1).remote(
+        names, policy="round_robin", health_period=0.05, health_timeout=1.0
+    )
+
+    def status() -> dict | None:
+        try:
+            return get(router.status.remote())
+        except ray.exceptions.RayActorError:  # restarting
+            return None
+
+    wait_until(lambda: get(router.is_up.remote("quick")), 60, "the built replica to be up")
+    get(router.set_run.remote(7))  # a mark the restarted router, created afresh, does not carry
+    ray.kill(router, no_restart=False)
+    wait_until(lambda: (s := status()) is not None and s["run_id"] is None, 120, "the router to restart")
+    wait_until(lambda: "quick" not in status()["down"], 60, "the built replica to answer the restarted router")
+    time.sleep(1.5)  # past health_timeout: the slow replica's silence is not held against it
+    held = status()
+    assert held["down"] == {"slow": "starting"} and held["starting"] == ["slow"]
+    assert [get(router.route.remote(RouteRequest(f"q{i}", 8, 8))) for i in range(3)] == ["quick"] * 3
+
+    get(gate.open.remote())
+    wait_until(lambda: get(router.is_up.remote("slow")), 60, "the slow replica, built, to be up")
+    assert status()["down"] == {} and len(replicas) == 2
+
+
+@pytest.mark.timeout(300)
 def test_router_actor_routes_and_ships_decisions_to_the_store(dummy_actors):
     """Through Ray: route picks from reports, replicas() hands back working handles, complete
     and status keep the books, set_policy switches policy, and flush delivers the decisions
