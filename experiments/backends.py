@@ -166,6 +166,7 @@ class SimulatedBackend:
             cost_scales=self.plan.experiment.cluster.cost_scales,
             step_overhead=self.plan.experiment.cluster.step_overhead,
             dispatch_delay=self.plan.experiment.cluster.dispatch_delay,
+            submit_interval=self.plan.experiment.cluster.submit_interval,
             slo=experiment_slo(self.plan),
         )
 

@@ -340,6 +340,8 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
         if c.step_overhead or c.dispatch_delay:
             model += f", plus {c.step_overhead * 1000:g} ms of serving loop a step"
             model += f" and {c.dispatch_delay * 1000:g} ms from arrival to replica"
+        if c.submit_interval:
+            model += f", requests due together sent {c.submit_interval * 1000:g} ms apart"
     if c.cost_scales is not None:
         model += f", replicas' step times x {', '.join(f'{x:g}' for x in c.cost_scales)} (each its own)"
     sizing = ""

@@ -23,9 +23,13 @@ What a cluster spends outside the steps, as its runs measured it
 events, the load report, the inbox; a fake step's sleep overshoot), `step_overhead` seconds
 added after every step (its tokens out at its priced end), not scaled by `cost_scales`; and a
 request's way to its replica (the route and submit calls) and its first token's way back,
-`dispatch_delay` seconds, by which each request is routed and queued after its planned arrival.
-Without them a simulated cluster decodes faster than the one it stands for, and a prefix hit's
-TTFT (one short step) misses a large part.
+`dispatch_delay` seconds, by which each request is routed and queued after its planned arrival;
+and the client's own time per request, `submit_interval`: it sends each request in a Ray call of
+its own, so requests due together leave it one after another, that far apart, and a replica idle
+when a burst comes starts a step on the first that reaches it while the rest wait for its next
+step (the capacity probes send every request at once: their first decode steps follow one
+prefill of every request but the first). Without them a simulated cluster decodes faster than
+the one it stands for, and a prefix hit's TTFT (one short step) misses a large part.
 
 Left out on purpose: a decision's own time (tens of microseconds against steps of milliseconds);
 reports and completions reach the router at once.
@@ -44,6 +48,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -91,6 +96,9 @@ class SimulationConfig(BaseModel):
     step_overhead: NonNegativeFloat = Field(0.0, description="seconds a replica's loop adds to each step (not scaled)")
     dispatch_delay: NonNegativeFloat = Field(
         0.0, description="seconds from arrival to routed and queued: its way to a replica and its token's way back"
+    )
+    submit_interval: NonNegativeFloat = Field(
+        0.0, description="the client's seconds per request: requests due together are routed this far apart"
     )
 
     @field_validator("routing_policy")
@@ -173,6 +181,8 @@ class Simulator:
         self._seq = itertools.count()  # keeps equal-time events in the order they were made
         self._dirty: set[int] = set()  # replicas that may be able to start a step now
         self._arrivals_done = False
+        self._held: deque[tuple[int, WorkloadRequest, float]] = deque()  # due, not yet sent (`submit_interval`)
+        self._send_free = -math.inf  # when the client can send its next request
         self._requests: dict[str, tuple[Request, str]] = {}  # until they end
         self._token_ids: dict[str, list[int]] = {}
         self._done: dict[str, RequestTrace] = {}
@@ -243,8 +253,11 @@ class Simulator:
         )
 
     def _next_time(self) -> float | None:
-        arrival = self.schedule.next_time()  # plus the delay: the sum `due` tests, so none is left behind
-        arrival = None if arrival is None else arrival + self.config.dispatch_delay
+        if self._held:  # due already: the next leaves once the client is free
+            arrival = self._send_free
+        else:  # plus the delay: the sum `due` tests, so none is left behind
+            arrival = self.schedule.next_time()
+            arrival = None if arrival is None else max(arrival + self.config.dispatch_delay, self._send_free)
         times = [t for t in (arrival, self._events[0][0] if self._events else None) if t is not None]
         if not times:
             return None  # a subclass's timers never keep a run going that has nothing left to do
@@ -261,36 +274,47 @@ class Simulator:
         that time (so a replica ready at `now` can take them)."""
 
     def _admit_arrivals(self, now: float) -> None:
-        due = self.schedule.due(now, start=self.config.dispatch_delay)
-        for index, spec, planned in due:
-            rid = f"{self.workload.name}-{index}"
-            self._arrivals[rid] = Arrival(index, spec, planned)
-            prompt = request_prompt(self.config.seed, index, spec, self.config.vocab_size)
-            try:
-                decision = self.router.route(self._route_request(rid, spec, prompt))
-                replica = self._by_id[decision.replica_id]
-                replica.engine.add_request(
-                    prompt,
-                    {"max_tokens": spec.output_len, "ignore_eos": True},
-                    request_id=rid,
-                    arrival_time=planned,
-                    oracle_output_len=spec.output_len,
-                    hand_over=self._hands_over(replica.replica_id),
-                )
-            except SlotServeError as err:  # refused by the router or at submission, as the cluster's driver records it
-                self._errors[rid] = str(err)
-                rejected = isinstance(err, (ValueError, OverloadedError))
-                self._done[rid] = RequestTrace(
-                    rid, planned, [], now, "rejected" if rejected else "error", spec.prompt_len, None
-                )
-                self.router.complete(rid)
-                self.schedule.finished(index, now)
-                continue
-            self._requests[rid] = (replica.engine.requests[rid], replica.replica_id)
-            self._dirty.add(replica.index)
-        if due:
+        """Send the requests due by `now`, one every `submit_interval` (all at once without one)."""
+        self._held.extend(self.schedule.due(now, start=self.config.dispatch_delay))
+        sent = False
+        while self._held and self._send_free <= now:
+            self._send(*self._held.popleft(), now)
+            self._send_free, sent = now + self.config.submit_interval, True
+        if sent:
             self._take_decisions()
         self._tell_arrivals_done()
+
+    def _send(self, index: int, spec: WorkloadRequest, planned: float, now: float) -> None:
+        """Route one request and queue it on its replica (or record its refusal). Its arrival is
+        when the client sent it, as the cluster's driver stamps it: `planned`, or later by the
+        time it waited for the client (`submit_interval`)."""
+        rid = f"{self.workload.name}-{index}"
+        self._arrivals[rid] = Arrival(index, spec, planned)
+        delay = self.config.dispatch_delay
+        sent = planned if now <= planned + delay else now - delay
+        prompt = request_prompt(self.config.seed, index, spec, self.config.vocab_size)
+        try:
+            decision = self.router.route(self._route_request(rid, spec, prompt))
+            replica = self._by_id[decision.replica_id]
+            replica.engine.add_request(
+                prompt,
+                {"max_tokens": spec.output_len, "ignore_eos": True},
+                request_id=rid,
+                arrival_time=sent,
+                oracle_output_len=spec.output_len,
+                hand_over=self._hands_over(replica.replica_id),
+            )
+        except SlotServeError as err:  # refused by the router or at submission, as the cluster's driver records it
+            self._errors[rid] = str(err)
+            rejected = isinstance(err, (ValueError, OverloadedError))
+            self._done[rid] = RequestTrace(
+                rid, sent, [], now, "rejected" if rejected else "error", spec.prompt_len, None
+            )
+            self.router.complete(rid)
+            self.schedule.finished(index, now)
+            return
+        self._requests[rid] = (replica.engine.requests[rid], replica.replica_id)
+        self._dirty.add(replica.index)
 
     def _take_decisions(self) -> None:
         """Keep the router's new decisions, their per-replica figures within the run's bound."""
@@ -320,7 +344,7 @@ class Simulator:
     def _tell_arrivals_done(self) -> None:
         """Whether a request may come before a running one ends, as the cluster's driver tells
         its replicas: with none coming, a static batch need not wait to be full."""
-        done = self.schedule.waiting_on_ends
+        done = self.schedule.waiting_on_ends and not self._held
         if done != self._arrivals_done:
             self._arrivals_done = done
             for i, replica in enumerate(self.replicas):
@@ -450,6 +474,7 @@ def record_simulation(
                 max_tokens=arrival.spec.output_len,
                 error=result.errors.get(trace.request_id),
                 planned_arrival=arrival.planned,
+                submit_lateness=trace.arrival - arrival.planned,
             )
         )
     return record_run(

@@ -239,6 +239,30 @@ def test_dispatch_delay_routes_late_and_counts_in_the_ttft():
     assert ttfts[0.015] == pytest.approx([t + 0.015 for t in ttfts[0.0]])
 
 
+def test_submit_interval_sends_a_burst_one_by_one_and_an_idle_replica_starts_on_the_first(tmp_path):
+    """With `submit_interval` requests due together are routed that far apart, each stamped
+    with its send (so `send_gaps` reads the interval back off the store): an idle replica
+    starts its step on the first alone and the rest join its next step, as a capacity probe's
+    requests do on a cluster. Without one the whole burst shares the first step."""
+    from benchmarks.experiment_fidelity import send_gaps
+
+    workload = Workload("burst", 0, [WorkloadRequest(0.0, 16, 4) for _ in range(4)])
+    for interval in (0.0, 0.001):
+        config = SimulationConfig(
+            num_replicas=1, engine=engine_config("chunked"), dispatch_delay=0.01, submit_interval=interval
+        )
+        result = simulate(workload, config, FlatCostModel(0.02), check_invariants=True)
+        assert [d.time for d in result.decisions] == pytest.approx([0.01 + interval * i for i in range(4)])
+        assert [t.arrival for t in result.traces] == pytest.approx([interval * i for i in range(4)])
+        first, second = result.steps["r0"][:2]
+        assert first.num_prefill_tokens == (64 if interval == 0 else 16)
+        assert second.num_prefill_tokens == (0 if interval == 0 else 48)
+        store = open_store(tmp_path / f"{interval}.db")
+        run_id = record_simulation(store, result)
+        assert send_gaps(store.requests(run_id)) == pytest.approx([interval] * 3)
+        store.close()
+
+
 def test_the_fidelity_check_reads_back_the_loop_and_request_path_the_simulator_paid(tmp_path):
     """A simulated experiment given `step_overhead` and `dispatch_delay`, its runs read as a
     cluster's would be (`benchmarks.experiment_fidelity.overheads`): both come back, the first

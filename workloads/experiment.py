@@ -123,6 +123,11 @@ class ClusterSection(_Section):
         description="seconds by which a simulated request is routed and queued after its arrival: its way to "
         "its replica and its first token's way back, all of it before routing; ignored on Ray",
     )
+    submit_interval: NonNegativeFloat = Field(
+        0.0,
+        description="the client's seconds per request: simulated requests due together are routed this far "
+        "apart, one after another (benchmarks/experiment_fidelity.py measures it); ignored on Ray",
+    )
     dtype: defaults.Dtype = defaults.DTYPE
     device: str = "auto"
     num_cpus: PositiveFloat = Field(1.0, description="Ray CPUs per replica (= its torch threads)")
