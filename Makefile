@@ -38,7 +38,9 @@ run: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q
+	# Two workers: the cluster tests, one after another on one of them, mostly wait on Ray; the
+	# other worker runs the tests that need no cluster meanwhile (tests/conftest.py).
+	$(PY) -m pytest -q -n 2
 	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
 # The docs' generated reference pages and results tables, from the code and the committed results.

@@ -5,6 +5,7 @@ default model loaded once per session."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # Every test starts and stops its own Ray instance. Ray's auto-connect would let a stray call
 # after `ray.shutdown()` (a client's feed thread still reading, say) silently join whatever
@@ -15,6 +16,69 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 TINY_VOCAB = 49152  # the default model's tokenizer, shipped with every tiny model dir
+
+# `make test` runs the suite on two pytest-xdist workers (`-n 2`). Most of a cluster test's time
+# is waiting on Ray (actor starts, health checks, drains), so the tests that need no cluster run
+# on the other worker meanwhile. The modules named here start no Ray instance, server or cluster
+# subprocess; every other module's tests are one unit of work that a single worker runs in file
+# order, so no two clusters (nor a cluster and a server) ever run at once and module-scoped
+# clusters are started once. A new module joins that unit until it is named here.
+RUNS_BESIDE_CLUSTERS = frozenset(
+    {
+        "test_architecture",
+        "test_autoscaler_states",
+        "test_autoscaling",
+        "test_autoscaling_experiment",
+        "test_bad_input",
+        "test_block_manager",
+        "test_correctness",
+        "test_disaggregation",
+        "test_disaggregation_sim",
+        "test_docs",
+        "test_engine_speed_paths",
+        "test_handover",
+        "test_incremental_detokenize",
+        "test_linear",
+        "test_measured_pricing",
+        "test_precise_prefix",
+        "test_protocol",
+        "test_reliability_serving",
+        "test_router_index",
+        "test_routing_sim",
+        "test_routing_work",
+        "test_scheduler_invariants",
+        "test_serving",
+        "test_sim_records",
+        "test_simulator",
+        "test_slot_efficiency",
+        "test_slotserve_package",
+        "test_store_backlog",
+        "test_traces",
+        "test_workloads_and_metrics",
+    }
+)
+
+
+def _runs_beside_clusters(nodeid: str) -> bool:
+    return Path(nodeid.split("::", 1)[0]).stem in RUNS_BESIDE_CLUSTERS
+
+
+# xdist's own `--dist loadgroup` would need an `xdist_group` mark on each test, but it carries the
+# group in the test's id, which pytest 9.2 no longer lets it change (every test then runs on any
+# worker, silently): this scheduler reads the unit off the id instead. tryfirst: before xdist's
+# hook, which picks the scheduler `--dist` names.
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ClustersOnOneWorker(LoadScopeScheduling):
+        """Every test beside the clusters is a unit of its own; the cluster tests, one unit
+        (the largest, so it is handed out first)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return nodeid if _runs_beside_clusters(nodeid) else "clusters"
+
+    return ClustersOnOneWorker(config, log)
 
 
 def _save_tiny(path, hf_model) -> str:

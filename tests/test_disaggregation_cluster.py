@@ -81,12 +81,18 @@ def test_two_pool_router_sends_long_prompts_to_prefill_and_moves_to_decode():
     assert slow.route(RouteRequest("busy-decode", 2000, 8)).replica_id != "replica-0"
 
 
-@pytest.fixture
-def local_ray(tmp_path):
+@pytest.fixture(scope="module")
+def ray_local():
+    """One local Ray instance for the module's clusters: each test starts its own and stops it."""
     ray.init(address="local", num_cpus=4, namespace="slotserve", include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def local_ray(ray_local, tmp_path):
     yield tmp_path
     stop_cluster()
-    ray.shutdown()
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -94,7 +94,8 @@ def _processes_under(marker: str) -> list[int]:
 
 
 def _end(pids: list[int]) -> None:
-    """SIGTERM, then SIGKILL whatever has not ended within 10 s."""
+    """SIGTERM, then SIGKILL whatever has not ended within 3 s: some of a fake cluster's
+    processes outlast even 10 s of SIGTERM, and the temp dir they used is removed after."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -103,7 +104,7 @@ def _end(pids: list[int]) -> None:
                 pass
         try:
             wait_until(
-                lambda: not any(Path(f"/proc/{p}").exists() for p in pids), timeout=10, what="the processes to end"
+                lambda: not any(Path(f"/proc/{p}").exists() for p in pids), timeout=3, what="the processes to end"
             )
             return
         except TimeoutError:
@@ -177,11 +178,23 @@ def test_ray_adds_a_node_for_a_replica_and_removes_it_once_drained(fake_autoscal
     assert len(_alive_nodes()) == 2
     assert autoscaler_status().replicas[0].state == "serving"
 
-    async def load(client: Client) -> None:
-        await asyncio.gather(*[client.agenerate([1, 2, 3], max_tokens=200, ignore_eos=True) for _ in range(12)])
+    async def load_until_a_replica_is_added(client: Client) -> None:
+        """12 requests in flight on 2 slots, each followed by another, until the replica the
+        controller asks for serves (its cold start includes the start of the node Ray adds)."""
+        added = asyncio.ensure_future(
+            asyncio.to_thread(
+                wait_until, lambda: autoscaler_status().cold_starts, START_TIMEOUT, "the added replica to serve", 0.5
+            )
+        )
+
+        async def stream() -> None:
+            while not added.done():
+                await client.agenerate([1, 2, 3], max_tokens=10, ignore_eos=True)
+
+        await asyncio.gather(added, *[stream() for _ in range(12)])
 
     with Client() as client:
-        asyncio.run(load(client))  # 12 long requests on 2 slots: the controller asks for replica-1
+        asyncio.run(load_until_a_replica_is_added(client))  # the controller asks for replica-1
     status = autoscaler_status()
     assert status.scale_ups >= 1 and status.cold_starts, status
     # Ray added a second node for replica-1 (its cold start includes the node's start)
