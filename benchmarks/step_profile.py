@@ -13,9 +13,11 @@ Times: each part's seconds summed by wrappers around the engine's phases and the
 calls (`Linear`, the attention functions, the fused kernels), per step, the wrappers' own cost
 taken off (`peers/step_parts.py`, the measurement `slotserve bench` prints its host shares
 from); the median over `--reps` runs of `--steps` steps each. "Host" is the step less its
-matrix products and attention. Each
-case also runs one step with oneDNN's verbose log on, to name the implementation every matrix
-product took (`brg_matmul:avx512_core_bf16` is oneDNN's AVX-512 BF16 path).
+matrix products and attention. The same parts are also timed as the main thread's CPU time
+(`time.thread_time`), which a neighbour's load on a shared machine does not stretch as it
+does wall time (it still slows a cache-cold step somewhat). Each case also runs one step
+with oneDNN's verbose log on, to name the implementation every matrix product took
+(`brg_matmul:avx512_core_bf16` is oneDNN's AVX-512 BF16 path).
 
 `benchmarks/hardware.py` measures the roofs and the decode sweep; this script explains a step.
 """
@@ -31,6 +33,7 @@ import re
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -125,10 +128,11 @@ def case_engines(runner: ModelRunner, case: tuple[str, int], steps: int) -> Iter
 def profile_case(runner: ModelRunner, case: tuple[str, int], steps: int, reps: int) -> dict:
     """Median part times of `reps` runs of `steps` steps, torch operators and Python calls per
     step, and the oneDNN products of one step."""
-    total_steps = (reps + 1) * steps + 4
+    total_steps = (2 * reps + 1) * steps + 4
     engines = case_engines(runner, case, total_steps)
-    wrapper_s = wrapper_seconds()
+    wrapper_s, wrapper_cpu = wrapper_seconds(), wrapper_seconds(clock=time.thread_time)
     runs = [measure(engines, steps, wrapper_s) for _ in range(reps + 1)][1:]  # the first run warms up
+    cpu_runs = [measure(engines, steps, wrapper_cpu, time.thread_time) for _ in range(reps)]
     counted = Parts()
     engine = next(engines)
     with wrapped(engine, counted) as step, OpCounter(counted):
@@ -137,12 +141,15 @@ def profile_case(runner: ModelRunner, case: tuple[str, int], steps: int, reps: i
     products = onednn_products(next(engines).step)
     drain(engine)
     times = {p: statistics.median(r[p] for r in runs) for p in (*PARTS, "step", "host")}
+    cpu = {p: statistics.median(r[p] for r in cpu_runs) for p in (*PARTS, "step", "host")}
     return {
         "case": f"{case[0]} {'B=' if case[0] == 'decode' else ''}{case[1]}"
         + ("" if case[0] == "decode" else f"x{PROMPT_LEN}"),
         "rows": case[1] if case[0] == "decode" else case[1] * PROMPT_LEN,
         "seconds": times,
         "host_seconds": times["host"],
+        "cpu_seconds": cpu,
+        "host_cpu_seconds": cpu["host"],
         "torch_ops": sum(sum(c.values()) for c in counted.ops.values()),
         "torch_ops_by_part": {p: sum(c.values()) for p, c in counted.ops.items()},
         "top_ops": collections.Counter(op for c in counted.ops.values() for op in c.elements()).most_common(8),
@@ -155,8 +162,11 @@ def format_case(r: dict) -> list[str]:
     t = r["seconds"]
     shares = ", ".join(f"{p} {t[p] / t['step']:.0%}" for p in PARTS)
     by_part = ", ".join(f"{p} {n}" for p, n in sorted(r["torch_ops_by_part"].items(), key=lambda x: -x[1]))
+    c = r["cpu_seconds"]
+    cpu_parts = ", ".join(f"{p} {c[p] * 1e3:.2f}" for p in PARTS)
     return [
         f"{r['case']:>14}: step {t['step'] * 1e3:7.2f} ms, host {r['host_seconds'] * 1e3:6.2f} ms; {shares}",
+        f"{'':16}main thread CPU: step {c['step'] * 1e3:.2f} ms, host {c['host'] * 1e3:.2f} ms; ms: {cpu_parts}",
         f"{'':16}torch ops {r['torch_ops']} ({by_part}); python calls {r['python_calls']}",
         f"{'':16}top ops: " + ", ".join(f"{op} {n}" for op, n in r["top_ops"]),
         f"{'':16}oneDNN products: " + (", ".join(f"{k} x{n}" for k, n in r["onednn"].items()) or "none"),

@@ -35,7 +35,10 @@ class Parts:
     """Seconds and torch operators per part of a step, gathered by wrapping the callables that
     make up a step (see `wrapped`); nested parts are subtracted from their parent when read."""
 
-    def __init__(self, wrapper_seconds: float = 0.0) -> None:
+    def __init__(self, wrapper_seconds: float = 0.0, clock: Callable[[], float] = time.perf_counter) -> None:
+        """clock: wall time by default; `time.thread_time` counts the calling thread's CPU time
+        only, which a neighbour's load on a shared machine does not stretch as it does wall time."""
+        self.clock = clock
         self.seconds: collections.Counter[str] = collections.Counter()
         self.ops: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.calls: collections.Counter[str] = collections.Counter()  # wrapped calls, by the part making them
@@ -46,11 +49,11 @@ class Parts:
         def timed(*args, **kwargs):
             self.calls[self.stack[-1]] += 1
             self.stack.append(part)
-            t = time.perf_counter()
+            t = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[part] += time.perf_counter() - t
+                self.seconds[part] += self.clock() - t
                 self.stack.pop()
 
         return timed
@@ -76,24 +79,25 @@ class Parts:
         return per | {"host": per["step"] - per["matrix products"] - per["attention"]}
 
 
-def wrapper_seconds(calls: int = 20_000) -> float:
-    """The cost a wrapper adds to one call (the best of three timings, each less the bare calls)."""
+def wrapper_seconds(calls: int = 20_000, clock: Callable[[], float] = time.perf_counter) -> float:
+    """The cost a wrapper adds to one call (the best of three timings, each less the bare calls),
+    on `clock` (see `Parts`)."""
 
     def bare() -> None:
         return None
 
-    parts = Parts()
+    parts = Parts(clock=clock)
     timed = parts.wrap("probe", bare)
     best = float("inf")
     for _ in range(3):
-        t = time.perf_counter()
+        t = clock()
         for _ in range(calls):
             timed()
-        wrapped_s = time.perf_counter() - t
-        t = time.perf_counter()
+        wrapped_s = clock() - t
+        t = clock()
         for _ in range(calls):
             bare()
-        best = min(best, (wrapped_s - (time.perf_counter() - t)) / calls)
+        best = min(best, (wrapped_s - (clock() - t)) / calls)
     return max(0.0, best)
 
 
@@ -135,10 +139,13 @@ def decode_max_tokens(steps: int) -> int:
     return steps + 2
 
 
-def measure(engines: Iterator[Engine], steps: int, wrapper_s: float) -> dict[str, float]:
+def measure(
+    engines: Iterator[Engine], steps: int, wrapper_s: float, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, float]:
     """Seconds per step by part (and "step", "host") over `steps` steps, each the next step of
-    `next(engines)` (one engine stepped on for decodes, a fresh one per prefill)."""
-    parts = Parts(wrapper_s)
+    `next(engines)` (one engine stepped on for decodes, a fresh one per prefill); `wrapper_s`
+    measured on the same `clock`."""
+    parts = Parts(wrapper_s, clock)
     for _ in range(steps):
         with wrapped(next(engines), parts) as step:
             step()

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from protocol.clock import FakeClock
 from protocol.replicas import Resume
 from replica.config import EngineConfig
-from replica.engine import Engine
+from replica.engine import Engine, text_decoder
 from replica.model.fake import ScriptedFakeRunner
 from replica.model.loader import default_model_dir
 from replica.scheduling.request import Request
@@ -137,3 +137,19 @@ def test_a_resumed_request_streams_on_from_the_text_it_was_delivered(byte_level)
     assert not delivered.endswith("\ufffd")
     deltas, text = streamed(byte_level, ids, Resume(ids[:cut], delivered))
     assert delivered + text == TEXT and not any("\ufffd" in d for d in deltas)
+
+
+def test_the_engine_decodes_through_the_fast_backend_only_where_it_gives_the_same_text(byte_level):
+    """The default tokenizer cleans up no spaces, so the engine calls its Rust backend straight
+    and gets `tokenizer.decode`'s text (special tokens skipped); one that cleans up spaces goes
+    through `tokenizer.decode`, whose clean-up the backend does not do."""
+    ids = byte_level.encode(TEXT + " , done .", add_special_tokens=False) + [byte_level.eos_token_id]
+    assert not byte_level.clean_up_tokenization_spaces
+    fast = text_decoder(byte_level)
+    assert fast.func == byte_level.backend_tokenizer.decode
+    assert fast(ids) == byte_level.decode(ids, skip_special_tokens=True)
+    cleaning = byte_fallback_tokenizer()
+    cleaning.clean_up_tokenization_spaces = True
+    assert text_decoder(cleaning).func == cleaning.decode
+    counting = CountingTokenizer(byte_level)  # no backend: its own decode
+    assert text_decoder(counting).func == counting.decode

@@ -68,32 +68,32 @@ def build_group(
     gather_spread: int = GATHER_SPREAD,
 ) -> AttentionGroup:
     """One group from per-row slot, offset within the chunk, and absolute position; its slots
-    are gathered when their range spans more than `gather_spread` times their count."""
+    are gathered when their range spans more than `gather_spread` times their count. Its index
+    tensors are views of one buffer copied from Python once (each tensor made apart is a fixed
+    host cost, every step), and the mask is built only where some query must not see a key."""
     lo, hi = min(slots), max(slots) + 1
     distinct = sorted(set(slots))
     gather = hi - lo > gather_spread * len(distinct)
     seq_of = {s: n for n, s in enumerate(distinct)} if gather else {s: s - lo for s in distinct}
     num_seqs = len(distinct) if gather else hi - lo
     q_max, kv_len = max(offsets) + 1, max(positions) + 1
-    row = torch.tensor([seq_of[s] for s in slots], device=device)
-    off = torch.tensor(offsets, device=device)
-    last_key = torch.zeros(num_seqs, q_max, dtype=torch.long, device=device)
-    last_key[row, off] = torch.tensor(positions, device=device)
-    kv_slots = torch.tensor(distinct, device=device) if gather else None
+    rows = [seq_of[s] for s in slots]
     one_per_seq = q_max == 1 and len(slots) == num_seqs
-    seq_rows = row_slots = row_lengths = None
-    if one_per_seq:
-        by_seq = sorted(range(len(slots)), key=lambda i: seq_of[slots[i]])
-        seq_rows = torch.tensor([token_idx[i] for i in by_seq], device=device)
-        row_slots = torch.tensor(slots, device=device)
-        row_lengths = torch.tensor(positions, device=device) + 1
-    if one_per_seq and len(set(positions)) == 1:  # every query's keys are the whole range: no mask
-        mask = None
-    else:
+    lists = [token_idx, rows, offsets, positions, distinct if gather else []]
+    if one_per_seq:  # decodes: rows in sequence order, each row's slot and number of keys
+        by_seq = sorted(range(len(slots)), key=rows.__getitem__)
+        lists += [[token_idx[i] for i in by_seq], slots, [p + 1 for p in positions]]
+    flat = torch.tensor([v for vs in lists for v in vs], dtype=torch.long, device=device)
+    token_t, row, off, pos, kv_slots, *decode = flat.split([len(vs) for vs in lists])
+    seq_rows, row_slots, row_lengths = decode or (None, None, None)
+    mask = None  # every query's keys are the whole range (decodes at one position)
+    if not (one_per_seq and len(set(positions)) == 1):
+        last_key = torch.zeros(num_seqs, q_max, dtype=torch.long, device=device)
+        last_key[row, off] = pos
         mask = torch.arange(kv_len, device=device) <= last_key.unsqueeze(-1)  # [seqs, q_max, kv_len]
         mask = mask.repeat(1, q_per_kv, 1).unsqueeze(1)
     return AttentionGroup(
-        torch.tensor(token_idx, device=device),
+        token_t,
         row,
         off,
         lo,
@@ -101,7 +101,7 @@ def build_group(
         q_max,
         kv_len,
         mask,
-        kv_slots,
+        kv_slots if gather else None,
         seq_rows,
         row_slots,
         row_lengths,

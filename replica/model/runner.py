@@ -68,8 +68,12 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+    def _tensors(self, *values: list[int]) -> tuple[torch.Tensor, ...]:
+        """The step's index lists as tensors made by one copy from Python (a buffer split into
+        views), not one tensor per list: each torch.tensor call is a fixed host cost, paid
+        again for every list of every step, and one host-to-device copy each on a GPU."""
+        flat = [v for vs in values for v in vs]
+        return torch.tensor(flat, dtype=torch.long, device=self.device).split([len(vs) for vs in values])
 
     def execute(self, out: SchedulerOutput) -> list[int]:
         """One forward pass; returns one token per chunk with `samples`, in chunk order."""
@@ -79,15 +83,23 @@ class ModelRunner:
         offsets: list[int] = []
         single: list[bool] = []  # the row is its sequence's only one this step (a decode, say)
         logit_rows: list[int] = []
+        sampled: list[Request] = []
         for chunk in out.chunks:
-            r = chunk.request
-            ids += r.token_ids(chunk.start, chunk.start + chunk.num_tokens)
-            positions += range(chunk.start, chunk.start + chunk.num_tokens)
-            slots += [r.slot] * chunk.num_tokens
-            offsets += range(chunk.num_tokens)
-            single += [chunk.num_tokens == 1] * chunk.num_tokens
+            r, start, n = chunk.request, chunk.start, chunk.num_tokens
+            ids += r.token_ids(start, start + n)
+            if n == 1:  # a decode's row: no ranges built for it
+                positions.append(start)
+                slots.append(r.slot)
+                offsets.append(0)
+                single.append(True)
+            else:
+                positions += range(start, start + n)
+                slots += [r.slot] * n
+                offsets += range(n)
+                single += [False] * n
             if chunk.samples:
                 logit_rows.append(len(ids) - 1)
+                sampled.append(r)
         num_useful = len(ids)  # rows after these are a static batch's held rows
         for held in out.held_rows:
             # Padding: recompute the row's last token in place (same K/V, same value), as a
@@ -102,37 +114,35 @@ class ModelRunner:
         q_per_kv = self.model.shape.num_heads // self.model.shape.num_kv_heads
         if isinstance(self.cache, PagedKVCache):
             owners = [c.request for c in out.chunks] + list(out.held_rows)
-            meta = self._paged_metadata(owners, slots, positions, offsets, single, num_useful, q_per_kv)
-        else:
-            meta = AttentionMetadata(
-                self._tensor(slots), self._groups(slots, offsets, positions, single, q_per_kv), q_per_kv
+            ids_t, positions_t, logit_rows_t, meta = self._paged_metadata(
+                ids, logit_rows, owners, slots, positions, offsets, single, num_useful, q_per_kv
             )
-        logits = self.model.forward(
-            self._tensor(ids), self._tensor(positions), meta, self.cache, self._tensor(logit_rows)
-        )
-        return self.sampler.sample(logits, [c.request for c in out.chunks if c.samples])
+        else:
+            ids_t, positions_t, logit_rows_t, slots_t = self._tensors(ids, positions, logit_rows, slots)
+            meta = AttentionMetadata(slots_t, self._groups(slots, offsets, positions, single, q_per_kv), q_per_kv)
+        logits = self.model.forward(ids_t, positions_t, meta, self.cache, logit_rows_t)
+        return self.sampler.sample(logits, sampled)
 
     def _groups(
         self, seqs: list[int], offsets: list[int], positions: list[int], single: list[bool], q_per_kv: int
     ) -> list[AttentionGroup]:
-        """Two attention groups, so single-token rows are not padded to a long prefill chunk.
+        """Two attention groups, so single-token rows are not padded to a long prefill chunk
+        (one where every row is of one kind: the step's own lists, not copies of them).
         seqs: each row's sequence (its slot, or its number in the paged cache's gathered copy)."""
-        return [
-            build_group(
-                rows,
-                [seqs[i] for i in rows],
-                [offsets[i] for i in rows],
-                [positions[i] for i in rows],
-                q_per_kv,
-                self.device,
-                self.gather_spread,
-            )
-            for flag in (True, False)
-            if (rows := [i for i, s in enumerate(single) if s is flag])
-        ]
+        groups = []
+        for flag in (True, False):
+            rows = [i for i, s in enumerate(single) if s is flag]
+            if len(rows) == len(single):
+                return [build_group(rows, seqs, offsets, positions, q_per_kv, self.device, self.gather_spread)]
+            if rows:
+                picked = ([seqs[i] for i in rows], [offsets[i] for i in rows], [positions[i] for i in rows])
+                groups.append(build_group(rows, *picked, q_per_kv, self.device, self.gather_spread))
+        return groups
 
     def _paged_metadata(
         self,
+        ids: list[int],
+        logit_rows: list[int],
         owners: list[Request],
         slots: list[int],
         positions: list[int],
@@ -140,10 +150,11 @@ class ModelRunner:
         single: list[bool],
         num_useful: int,
         q_per_kv: int,
-    ) -> PagedAttentionMetadata:
-        """Where each row writes (block, offset) and how the step's sequences' blocks are
-        gathered. Held rows write to the scratch block: their result is thrown away, and their
-        last block may be a full one other requests share."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
+        """The ids, positions and logit rows as tensors (one buffer with the rest), and where
+        each row writes (block, offset) and how the step's sequences' blocks are gathered. Held
+        rows write to the scratch block: their result is thrown away, and their last block may
+        be a full one other requests share."""
         block_size, scratch = self.cache.block_size, self.cache.scratch_block
         by_slot = {r.slot: r for r in owners}
         single_of = dict(zip(slots, single))
@@ -156,9 +167,14 @@ class ModelRunner:
             for i, (s, p) in enumerate(zip(slots, positions))
         ]
         seqs = [number[s] for s in slots]
-        return PagedAttentionMetadata(
-            self._tensor(block_ids),
-            self._tensor([p % block_size for p in positions]),
-            self._tensor([t + [scratch] * (width - len(t)) for t in tables]),
-            AttentionMetadata(self._tensor(seqs), self._groups(seqs, offsets, positions, single, q_per_kv), q_per_kv),
+        padded = [b for t in tables for b in t + [scratch] * (width - len(t))]
+        ids_t, positions_t, logit_rows_t, block_ids_t, offsets_t, tables_t, seqs_t = self._tensors(
+            ids, positions, logit_rows, block_ids, [p % block_size for p in positions], padded, seqs
+        )
+        dense = AttentionMetadata(seqs_t, self._groups(seqs, offsets, positions, single, q_per_kv), q_per_kv)
+        return (
+            ids_t,
+            positions_t,
+            logit_rows_t,
+            PagedAttentionMetadata(block_ids_t, offsets_t, tables_t.view(len(tables), width), dense),
         )

@@ -22,7 +22,7 @@ class Sampler:
     ):
         """kernel: greedy rows take the C++ argmax (`fused_ops.argmax`) where it is built and the
         logits are on the CPU; off, torch's."""
-        self._kernel = kernel
+        self._kernel = kernel and fused_ops.available("cpu")
         self._eos = sorted(eos_token_ids)  # masked for a request that has not made its min_tokens yet
         self._shared = torch.Generator()  # for requests that give no seed
         self._shared.manual_seed(seed) if seed is not None else self._shared.seed()
@@ -47,20 +47,25 @@ class Sampler:
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's argmax: the C++ kernel where it serves (torch's CPU argmax is a scalar loop,
         a large share of a big decode step's sampling), else torch's; the same tokens either way."""
-        serves = logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(-1) == 1
-        if self._kernel and serves and fused_ops.available(logits.device):
+        serves = logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(-1) == 1
+        if self._kernel and serves:
             return fused_ops.argmax(logits)
         return logits.argmax(dim=-1)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits: [rows, vocab] float32, row i for requests[i]."""
-        held = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
+        held: list[int] = []  # rows whose request has not made its min_tokens yet
+        rows: list[int] = []  # rows that draw (not greedy)
+        for i, r in enumerate(requests):
+            if r.num_output_tokens < r.params.min_tokens:
+                held.append(i)
+            if not r.params.greedy:
+                rows.append(i)
         if held:  # vLLM's min_tokens: EOS and stop ids may not come yet (a copy: logits may be an inference tensor)
             logits = logits.clone()
             for i in held:
                 logits[i, self._eos + requests[i].params.stop_token_ids] = float("-inf")
         tokens = self._greedy(logits).tolist()
-        rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if not rows:
             return tokens
         params = [requests[i].params for i in rows]

@@ -69,11 +69,13 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     is_decode: bool
+    # The chunk reaches the request's last token, so its logits give the next token: set when the
+    # chunk is planned (the request's tokens grow only once the step has run), read per row by
+    # the runner and the engine.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the request's last token, so its logits give the next token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -87,13 +89,14 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.chunks
 
+    # Sums over lists, not generators: a generator is resumed once per row, every step.
     @property
     def num_decode_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks if c.is_decode)
+        return sum([c.num_tokens for c in self.chunks if c.is_decode])
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks if not c.is_decode)
+        return sum([c.num_tokens for c in self.chunks if not c.is_decode])
 
     @property
     def context_tokens(self) -> int:
@@ -101,8 +104,8 @@ class SchedulerOutput:
         a chunk of n tokens from position s adds n*s + n(n+1)/2, and a padding row of a static
         batch its whole context. The attention work, which grows with context unlike the
         weight reads; a cost model's feature."""
-        return sum(c.num_tokens * c.start + c.num_tokens * (c.num_tokens + 1) // 2 for c in self.chunks) + sum(
-            r.num_computed_tokens for r in self.held_rows
+        return sum([c.num_tokens * c.start + c.num_tokens * (c.num_tokens + 1) // 2 for c in self.chunks]) + sum(
+            [r.num_computed_tokens for r in self.held_rows]
         )
 
 
@@ -188,13 +191,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._token_budget()
-        for request in sorted(self.running, key=lambda r: not r.is_decoding):
+        running = [(r, r.is_decoding) for r in self.running]
+        for request, is_decode in [x for x in running if x[1]] + [x for x in running if not x[1]]:  # decodes first
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num = int(min(request.num_pending_tokens, budget))
             if num <= 0:
                 break
-            start, is_decode = request.num_computed_tokens, request.is_decoding
+            start = request.num_computed_tokens
             if self._reserve(request, start + num, out):
                 out.chunks.append(ScheduledChunk(request, start, num, is_decode))
                 budget -= num
