@@ -11,7 +11,7 @@ speed from its first report on."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -113,7 +113,7 @@ def fit_linear_cost(samples: Sequence[tuple[StepFeatures, float]]) -> LinearCost
     """The `LinearCostModel` that fits (features, measured seconds) samples best by
     non-negative least squares: what the simulator's calibration fits to recorded steps
     (`sim.cost_model.FittedCostModel`) and a real replica to its own (`replica.pricing`)."""
-    x = np.array([(1, *astuple(f)) for f, _ in samples], dtype=float)
+    x = np.array([(1, f.decode_tokens, f.prefill_tokens, f.context_tokens, f.padding_rows) for f, _ in samples])
     y = np.array([t for _, t in samples], dtype=float)
     return LinearCostModel(**dict(zip(("c0", "c_decode", "c_prefill", "c_ctx", "c_held"), _nnls(x, y).tolist())))
 

@@ -305,10 +305,13 @@ class Engine:
         now = self.clock.now()
         sampling = [c.request for c in out.chunks if c.samples]
         outputs = [self._append(request, token, now) for request, token in zip(sampling, tokens)]
-        return StepResult(outputs, self._record(out, start, live_slots))
+        record = self._record(out, start, live_slots)
+        if self.measured_pricing is not None:  # steps that ran only: a failed one's time says nothing
+            self.measured_pricing.observe(record, goes_on=self.has_unfinished)
+        return StepResult(outputs, record)
 
     def _record(self, out: SchedulerOutput, start: float, live_slots: int) -> StepRecord:
-        record = StepRecord(
+        return StepRecord(
             step=next(self._steps),
             start=start,
             duration=self.clock.now() - start,
@@ -321,9 +324,6 @@ class Engine:
             num_preemptions=len(out.preempted),
             queue_depth=len(self.scheduler.waiting),
         )
-        if self.measured_pricing is not None:
-            self.measured_pricing.observe(record)
-        return record
 
     def _append(self, request: Request, token: int, now: float) -> RequestOutput:
         request.output_token_ids.append(token)
@@ -458,8 +458,8 @@ def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     """The text of token ids, special tokens skipped, as `tokenizer.decode` gives it. A fast
     tokenizer that cleans up no spaces afterwards returns its Rust backend's decode unchanged,
     so that is called straight: the Python wrapper around it (argument conversion, its checks)
-    costs several times the decode of the few tokens a step's window holds, for every row of
-    every step."""
+    costs more than the decode of the few tokens a step's window holds, for every row of every
+    step."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return functools.partial(backend.decode, skip_special_tokens=True)

@@ -6,21 +6,24 @@ A fake runner states its prices (`step_cost`); a real model's depend on the mach
 dtype, the threads and the kernels it chose, so the engine fits them instead: every step's
 work (`protocol.cost.StepFeatures`) and the seconds it took go into a window of recent steps,
 and every `refit_every` steps the window is fitted again by non-negative least squares
-(`protocol.cost.fit_linear_cost`, the fit the simulator's calibration uses). A step the loop
-went on from at once is timed from its start to the next step's start, so the serving loop's
-own work between steps (scheduling, sampling, streaming) is priced with it, as the router's
-walk of the queue, one step after another, needs; a step followed by an idle wait is timed by
-its own duration. Until `min_samples` steps are in, the replica reports no pricing and the
-router uses its fallback."""
+(`protocol.cost.fit_linear_cost`, the fit the simulator's calibration uses). The window keeps
+the recent steps that prefilled apart from those that only decoded, so a long run of decode
+alone does not forget what a prompt costs (a feature that never varies in the window would be
+fitted as free). A step the loop went on from at once is timed from its start to the next
+step's start, so the serving loop's own work between steps (scheduling, sampling, streaming) is
+priced with it, as the router's walk of the queue, one step after another, needs; a step after
+which the engine had nothing left, or the loop waited, is timed by its own duration. Until
+`min_samples` steps are in, the replica reports no pricing and the router uses its fallback."""
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 from protocol.cost import MAX_LOOP_GAP, LinearCostModel, StepFeatures, StepPricing, fit_linear_cost
 from protocol.records import StepRecord
 
-WINDOW = 512  # recent steps a fit reads: long enough to see prefill and decode mixes, short enough to follow a change
+WINDOW = 512  # recent steps a fit reads, of each kind: enough to see the mixes, short enough to follow a change
 MIN_SAMPLES = 32  # steps before the first fit
 REFIT_EVERY = 32  # steps between fits
 
@@ -38,23 +41,27 @@ class MeasuredPricing:
         self.token_budget = token_budget
         self.min_samples = min_samples
         self.refit_every = refit_every
-        self.samples: deque[tuple[StepFeatures, float]] = deque(maxlen=window)
+        self.prefills: deque[tuple[StepFeatures, float]] = deque(maxlen=window)
+        self.decodes: deque[tuple[StepFeatures, float]] = deque(maxlen=window)
         self.pricing: StepPricing | None = None
-        self._last: StepRecord | None = None
+        self._last: tuple[StepRecord, bool] | None = None
         self._since_fit = 0
 
-    def observe(self, step: StepRecord) -> None:
-        """Record a step; the one before it is priced now that the loop's gap after it is known."""
-        last, self._last = self._last, step
+    def observe(self, step: StepRecord, goes_on: bool) -> None:
+        """Record a step (`goes_on`: the engine had work left after it); the one before it is
+        priced now that the loop's gap after it is known."""
+        last, self._last = self._last, (step, goes_on)
         if last is None:
             return
-        gap = step.start - (last.start + last.duration)
-        seconds = step.start - last.start if 0 <= gap < MAX_LOOP_GAP else last.duration
-        self.samples.append((StepFeatures.of_row(vars(last)), seconds))
+        before, went_on = last
+        gap = step.start - (before.start + before.duration)
+        seconds = step.start - before.start if went_on and 0 <= gap < MAX_LOOP_GAP else before.duration
+        features = StepFeatures.of_row(vars(before))
+        (self.prefills if features.prefill_tokens else self.decodes).append((features, seconds))
         self._since_fit += 1
-        if len(self.samples) >= self.min_samples and self._since_fit >= self.refit_every:
+        if len(self.prefills) + len(self.decodes) >= self.min_samples and self._since_fit >= self.refit_every:
             self.pricing = StepPricing(self.fit(), self.token_budget)
             self._since_fit = 0
 
     def fit(self) -> LinearCostModel:
-        return fit_linear_cost(self.samples)
+        return fit_linear_cost(list(itertools.chain(self.prefills, self.decodes)))

@@ -28,8 +28,8 @@ no slot is known to be free.
 The replicas a request may go to now (up and under the router's per-replica bound) are kept in
 an index (`RoutableIndex`), updated on every dispatch, completion, report and state change, so
 that a policy which only needs the least loaded of them, or two of them at random, finds them
-in O(log n) without looking at every replica: at hundreds of replicas, building every
-replica's view for each decision was most of the router's cost.
+in O(log n) without looking at every replica, which at hundreds of replicas would be most of
+a decision's work.
 """
 
 from __future__ import annotations

@@ -127,6 +127,7 @@ class LatencyModel:
         self._log_error: dict[str, float] = {}  # replica -> running mean of log(measured / predicted TTFT)
         self._log_tpot_error: dict[str, float] = {}  # the same for TPOT
         self._caching: set[str] = set()  # replicas whose reports carry K/V events: a prefix cache
+        self._priced: set[str] = set()  # replicas whose reports have carried their own pricing
         self._last: dict[str, tuple[Prediction, int]] = {}  # the last scoring's raw predictions, cached tokens
         self.residuals = OutputResiduals()
 
@@ -217,6 +218,12 @@ class LatencyModel:
         request each."""
         if load.kv_events is not None:
             self._caching.add(load.replica_id)
+        if load.pricing is not None and load.replica_id not in self._priced:
+            # its first prices of its own (a real replica's measured ones): what was learned
+            # against the fallback's would mis-scale them
+            self._priced.add(load.replica_id)
+            self._log_error.pop(load.replica_id, None)
+            self._log_tpot_error.pop(load.replica_id, None)
         held = self._by_replica.get(load.replica_id)
         if not held:
             return

@@ -7,9 +7,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# Every test starts and stops its own Ray instance. Ray's auto-connect would let a stray call
-# after `ray.shutdown()` (a client's feed thread still reading, say) silently join whatever
-# cluster is still up and leak into the next test; turn it off before Ray is imported.
+# Tests start and stop their own Ray instances (one per test, or one per module). Ray's
+# auto-connect would let a stray call after `ray.shutdown()` (a client's feed thread still
+# reading, say) silently join whatever cluster is still up and leak into the next test; turn it
+# off before Ray is imported.
 os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 import pytest  # noqa: E402

@@ -35,9 +35,9 @@ def _steps(n: int, gap: float) -> list[StepRecord]:
 def test_fit_recovers_the_cost_the_steps_follow_and_none_before_enough_steps():
     measured = MeasuredPricing(token_budget=256)
     for step in _steps(MIN_SAMPLES, gap=0.0):
-        measured.observe(step)
+        measured.observe(step, goes_on=True)
     assert measured.pricing is None  # the last step is not priced until the next one starts
-    measured.observe(_steps(MIN_SAMPLES + 1, gap=0.0)[-1])
+    measured.observe(_steps(MIN_SAMPLES + 1, gap=0.0)[-1], goes_on=True)
     assert measured.pricing is not None and measured.pricing.token_budget == 256
     for fitted, true in zip(measured.pricing.cost.coefficients, TRUE.coefficients):
         assert fitted == pytest.approx(true, rel=1e-6, abs=1e-9)
@@ -48,11 +48,35 @@ def test_busy_steps_price_the_loop_between_them_and_idle_waits_do_not():
     step lands in c0; steps each followed by a second's idle wait are timed alone."""
     busy, idle = MeasuredPricing(None), MeasuredPricing(None)
     for step in _steps(4 * MIN_SAMPLES, gap=0.003):
-        busy.observe(step)
+        busy.observe(step, goes_on=True)
     for step in _steps(4 * MIN_SAMPLES, gap=1.0):
-        idle.observe(step)
+        idle.observe(step, goes_on=True)
     assert busy.pricing.cost.c0 == pytest.approx(TRUE.c0 + 0.003, rel=1e-6)
     assert idle.pricing.cost.c0 == pytest.approx(TRUE.c0, rel=1e-6)
+
+
+def test_a_step_the_engine_had_nothing_after_is_timed_alone():
+    """A loop that found nothing to do after a step waits for an arrival, however soon it came:
+    that wait is not the step's."""
+    measured = MeasuredPricing(None)
+    for step in _steps(4 * MIN_SAMPLES, gap=0.003):
+        measured.observe(step, goes_on=False)
+    assert measured.pricing.cost.c0 == pytest.approx(TRUE.c0, rel=1e-6)
+
+
+def test_a_long_run_of_decode_alone_keeps_what_a_prompt_costs():
+    """Many more decode-only steps than the window holds, after steps that prefilled: the
+    prefill price is still fitted from those, not taken as free."""
+    measured = MeasuredPricing(None, window=64)
+    for step in _steps(64, gap=0.0):
+        measured.observe(step, goes_on=True)
+    start = 100.0
+    for i in range(300):
+        decode, context = 1 + i % 7, 60 * (1 + i % 7) + i
+        duration = TRUE.predict(StepFeatures(decode, 0, context, 0))
+        measured.observe(StepRecord(64 + i, start, duration, decode, 0, context, decode, decode, decode, 0, 0), True)
+        start += duration
+    assert measured.pricing.cost.c_prefill == pytest.approx(TRUE.c_prefill, rel=1e-3)
 
 
 @dataclass(frozen=True)
