@@ -291,14 +291,23 @@ def report_rows(path: Path, columns: list[str], where: dict[str, str]) -> str:
             rows.append([values[c] for c in columns])
     made = report_header(path)
     status = report_status(made)
-    intro = f"From `{path.relative_to(ROOT).as_posix()}` ({made['date']}; {status}); rows at " + ", ".join(
-        f"{k} {v}" for k, v in where.items()
-    )
+    rows_at = "rows at " + ", ".join(f"{k} {v}" for k, v in where.items()) if where else "every row"
+    intro = f"From `{path.relative_to(ROOT).as_posix()}` ({made['date']}; {status}); {rows_at}"
     align = "".join("r" if c not in ("workload", "batching", "routing") else "_" for c in columns)
     return intro + ".\n\n" + table(columns, rows, align)
 
 
 ROUTING_COLUMNS = ["workload", "routing", "good tok/s", "SLO met %", "TTFT p99 s", "prefix hit %", "imbalance"]
+KV_PRESSURE_REAL_COLUMNS = [
+    "routing",
+    "good tok/s",
+    "SLO met %",
+    "TTFT p90 s",
+    "TTFT p99 s",
+    "prefix hit %",
+    "imbalance",
+    "TTFT pred MAPE %",
+]
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "bench": bench,
     "kv-memory": kv_memory,
@@ -308,6 +317,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "experiments-index": experiments_index,
     "routing-at-095": lambda p: report_rows(p, ROUTING_COLUMNS, {"load": "0.95"}),
     "routing-at-095-real": lambda p: report_rows(p, ROUTING_COLUMNS[1:], {"load": "0.95"}),
+    "routing-kv-pressure-real": lambda p: report_rows(p, KV_PRESSURE_REAL_COLUMNS, {}),
 }
 
 
