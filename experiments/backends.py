@@ -38,7 +38,7 @@ from cluster.deploy import Deployment
 from cluster.driver import run_workload
 from cluster.serve_baseline import SERVE_ROUTERS, ServeBaseline
 from experiments.plan import Cell, Plan
-from metrics.definitions import SLO
+from metrics.definitions import SLO, RequestTrace
 from metrics.live import PROBE_REQUEST_PREFIX
 from metrics.store import MetricsStore
 from protocol import defaults
@@ -81,11 +81,12 @@ def measure_capacity(
         total=probes * (1 + PREFILL_PROBE_ROUNDS) * slots, desc="capacity probe", unit="req", disable=not progress
     )
 
-    async def send_all(client: Client, probe: Workload) -> list[Result]:
+    async def send_all(client: Client, probe: Workload) -> list[RequestTrace]:
         prompts = [request_prompt(probe.seed, i, spec, vocab_size) for i, spec in enumerate(probe.requests)]
-        return await asyncio.gather(
+        results = await asyncio.gather(
             *[_probe_request(client, p, spec.output_len, bar) for p, spec in zip(prompts, probe.requests)]
         )
+        return [result.trace(spec.prompt_len) for result, spec in zip(results, probe.requests)]
 
     with Client() as client, bar:
         capacity = probe_capacity(

@@ -34,6 +34,20 @@ def hit_rate(result) -> float:
     return 1 - prefill / sum(r.prompt_len for r in result.workload.requests)
 
 
+def test_a_mixed_fleets_capacity_is_its_replicas_capacities_summed():
+    """Two replicas four times slower than the other two: the probe ends on the slow ones, and
+    the fleet is priced at each replica's own pace (fast pair + slow pair, within 5%), not at
+    the slow pair's (the whole span would give about 0.4 of that)."""
+
+    def capacity(scales: list[float]):
+        return measure_capacity(config().model_copy(update={"num_replicas": len(scales), "cost_scales": scales}), COST)
+
+    fast, slow, mixed = capacity([1.0, 1.0]), capacity([4.0, 4.0]), capacity([1.0, 1.0, 4.0, 4.0])
+    for rate in ("decode_tokens_per_s", "prefill_tokens_per_s"):
+        summed = getattr(fast, rate) + getattr(slow, rate)
+        assert getattr(mixed, rate) == pytest.approx(summed, rel=0.05), rate
+
+
 @pytest.mark.parametrize("prompt, output", [(400, 4), (16, 96)], ids=["prefill-heavy", "decode-heavy"])
 def test_load_from_work_keeps_0_8_below_saturation(prompt, output):
     """At 0.8 of the measured capacity for prefill and decode the cluster keeps up (TTFT p99

@@ -8,6 +8,12 @@ workload's load is its arrival rate times its mean work per request: load 1.0 ke
 cluster exactly busy. Counting decode alone (the old definition) offered a prefill-heavy trace
 many times what the cluster can serve at "load 0.8".
 
+A fleet's rate is its replicas' rates summed, each over its own busy span: a probe fills
+every slot at once, so a replica that is four times slower ends the probe long after the
+others, and the fleet's tokens over the whole span would price the cluster at the slow
+replicas' pace (a load of 2.0 by that measure is about 0.8 of what the replicas serve, each at
+its own pace). For identical replicas the two agree.
+
 The sum is conservative: a step that mixes decodes and prefill chunks shares its fixed cost,
 so mixed traffic is served a little faster than its parts measured apart. Prefix-cache hits
 are not subtracted: the work is the request's own, what a router can save by placing it well
@@ -80,20 +86,33 @@ class Capacity:
         return params
 
 
-def decode_rate(token_times: Iterable[list[float]]) -> float:
-    """Output tokens/s of a saturating decode probe: tokens after each request's first, over
-    the time from the first first-token to the last token."""
-    times = [t for t in token_times if t]
-    first = min(t[0] for t in times)
-    last = max(t[-1] for t in times)
-    return sum(len(t) - 1 for t in times) / (last - first)
+def decode_rate(served: Iterable[Served]) -> float:
+    """Output tokens/s of a saturating decode probe: per replica, the tokens after each
+    request's first over the time from its first first-token to its last token, summed over
+    the replicas."""
+    rates = []
+    for group in _by_replica(served):
+        times = [r.token_times for r in group if r.token_times]
+        first = min(t[0] for t in times)
+        last = max(t[-1] for t in times)
+        rates.append(sum(len(t) - 1 for t in times) / (last - first))
+    return sum(rates)
 
 
-def prefill_rate(prompt_len: int, first_tokens: Iterable[float], start: float) -> float:
+def prefill_rate(prompt_len: int, served: Iterable[Served], start: float) -> float:
     """Prompt tokens/s of a saturating prefill probe (one-token outputs, all sent at `start`):
-    prompt tokens over the time to the last first token."""
-    firsts = list(first_tokens)
-    return prompt_len * len(firsts) / (max(firsts) - start)
+    per replica, its prompt tokens over the time to its last first token, summed over the
+    replicas."""
+    return sum(
+        prompt_len * len(group) / (max(r.token_times[0] for r in group) - start) for group in _by_replica(served)
+    )
+
+
+def _by_replica(served: Iterable[Served]) -> list[list[Served]]:
+    groups: dict[str | None, list[Served]] = {}
+    for r in served:
+        groups.setdefault(r.replica, []).append(r)
+    return list(groups.values())
 
 
 def prefill_probe_len(max_seq_len: int) -> int:
@@ -101,11 +120,12 @@ def prefill_probe_len(max_seq_len: int) -> int:
 
 
 class Served(Protocol):
-    """What a probe reads of each request it sent: when it arrived and when each token came
-    (`cluster.client.Result`, `metrics.definitions.RequestTrace`)."""
+    """What a probe reads of each request it sent (`metrics.definitions.RequestTrace`): when
+    it arrived, when each token came, and the replica that served it (None: one engine)."""
 
     arrival: float
     token_times: list[float]
+    replica: str | None
 
 
 ProbeRunner = Callable[[Workload], Sequence[Served]]
@@ -136,13 +156,11 @@ def probe_capacity(
     enough on virtual time). `run` sends a probe's requests (prompts as
     `workloads.workload.request_prompt` makes them with the probe's seed) all at once and
     returns what each got; `max_request_tokens` is the replicas' context limit."""
-    decode = statistics.median(
-        decode_rate(r.token_times for r in run(decode_probe(num_slots, max_tokens, k))) for k in range(probes)
-    )
+    decode = statistics.median(decode_rate(run(decode_probe(num_slots, max_tokens, k))) for k in range(probes))
     prefill = []
     for k in range(probes):
         probe = prefill_probe(num_slots, max_request_tokens, k)
         served = run(probe)
         prompt_len = probe.requests[0].prompt_len
-        prefill.append(prefill_rate(prompt_len, (r.token_times[0] for r in served), min(r.arrival for r in served)))
+        prefill.append(prefill_rate(prompt_len, served, min(r.arrival for r in served)))
     return Capacity(decode, statistics.median(prefill))
