@@ -31,14 +31,15 @@ offset what every request pays whatever the queue (its way to the replica and it
 way back, the serving loop around the steps), which a scale alone would learn as too large on
 an idle replica and too small on a busy one. The TPOT has its own, a scale learned from the
 decode its reports show: a request's time per token over its first `TPOT_STEPS` tokens after
-the first, read off two reports' `tokens_made`, against the TPOT predicted at its dispatch. The walk sees only the
-requests already routed, so it misses what decode pays for the prompts routed there while the
-request runs (each prefill chunk lengthens a step of every running row) and the serving loop's
-own time per step; a replica whose decode is near the TPOT limit (a slow one) passes the filter
-on the walk alone and then misses it. Until a replica has shown a TPOT, its TTFT correction
-stands in for both (a replica that reports no pricing is slower or faster as a whole). The
-predicted TTFT of the chosen replica is what the decision records (`Decision.predicted_ttft`),
-and reports compare it with the measured one (`metrics.goodput_report`: TTFT prediction MAPE).
+the first, read off two reports' `tokens_made`, against the TPOT predicted at its dispatch. The
+walk sees only the requests already routed, so it misses what decode pays for the prompts
+routed there while the request runs (each prefill chunk lengthens a step of every running row)
+and the serving loop's own time per step; a replica whose decode is near the TPOT limit (a slow
+one) passes the filter on the walk alone and then misses it. Until a replica has shown a TPOT,
+the scale of its TTFT fit stands in for the TPOT's (a replica that reports no pricing is slower
+or faster as a whole). The predicted TTFT of the chosen replica is what the decision records
+(`Decision.predicted_ttft`), and reports compare it with the measured one
+(`metrics.goodput_report`: TTFT prediction MAPE).
 
 The walk is bounded (`MAX_WALK_STEPS`); past it the prediction is what it has reached, which
 already ranks that replica behind any that can serve sooner.
@@ -66,7 +67,7 @@ DEFAULT_PRICING = StepPricing(
 MAX_WALK_STEPS = 4096
 TPOT_STEPS = 16  # decode steps of the new request its predicted TPOT is the mean of
 CORRECTION_WEIGHT = 0.1  # weight of each new error sample in a replica's running correction
-MAX_ERROR_RATIO = 2.0  # one sample's measured / predicted is clipped to [1/x, x]: one stall moves it little
+MAX_ERROR_RATIO = 2.0  # one sample is clipped to within x of what was expected of it: one stall moves it little
 # The TTFT fit takes an offset only once the predictions it has seen differ enough to tell one
 # from a scale (their weighted variance over their weighted mean square, 0 when all are equal).
 MIN_PREDICTION_SPREAD = 0.01
