@@ -56,7 +56,8 @@ class PdRouter(Router):
         policy.attach_block_index(self.block_index)
         return policy
 
-    def _choose(self, request: RouteRequest, views: list[ReplicaView]) -> tuple[RoutingPolicy, list, int, list[float]]:
+    def _choose(self, request: RouteRequest, now: float) -> tuple[RoutingPolicy, list[ReplicaView], int, list[float]]:
+        views = self.load.routable_views(now)
         decode = [v for v in views if self.pools.role(v.replica_id) != "prefill"]
         prefill = [v for v in views if self.pools.role(v.replica_id) == "prefill"]
         if request.moved_from is not None or not prefill:

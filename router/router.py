@@ -94,12 +94,9 @@ class Router:
             raise RoutingError(f"request {request.request_id!r} is already in flight on {owner!r}")
         now = self.clock.now()
         self._check_capacity()
-        if self.policy.indexed and type(self)._choose is Router._choose:  # not a router that picks a pool first
-            policy, views, index, scores = self._choose_indexed(request, now)
-        else:
-            policy, views, index, scores = self._choose(request, self.load.routable_views(now))
-            if not self.decision_figures:
-                views, scores, index = [views[index]], [scores[index]], 0
+        policy, views, index, scores = self._choose(request, now)
+        if not self.decision_figures and len(views) > 1:
+            views, scores, index = [views[index]], [scores[index]], 0
         ages = []
         if policy.uses_load:
             ages = [v.report_age for v, s in zip(views, scores) if v.report_age is not None and not math.isinf(s)]
@@ -122,17 +119,16 @@ class Router:
         self.routed += 1
         return decision
 
-    def _choose(self, request: RouteRequest, views: list[ReplicaView]) -> tuple[RoutingPolicy, list, int, list[float]]:
+    def _choose(self, request: RouteRequest, now: float) -> tuple[RoutingPolicy, list[ReplicaView], int, list[float]]:
         """The policy that chose, the replicas it chose among, the index of its choice and its
-        scores: here the one policy over every replica (a two-pool router picks a pool first,
-        `router.pd_router`)."""
-        index, scores = self.policy.choose(request, views)
-        return self.policy, views, index, scores
-
-    def _choose_indexed(self, request: RouteRequest, now: float) -> tuple[RoutingPolicy, list, int, list[float]]:
-        """`_choose` by a policy that chooses from the index of routable replicas; only with
-        `decision_figures` are every routable replica's view and score built (in rank order)."""
+        scores: here the one policy over every routable replica (a two-pool router picks a pool
+        first, `router.pd_router`). A policy that chooses from the index of routable replicas
+        (`RoutingPolicy.indexed`) builds every replica's view and score only for
+        `decision_figures`, in rank order."""
         policy = self.policy
+        if not policy.indexed:
+            views = self.load.routable_views(now)
+            return policy, views, *policy.choose(request, views)
         index, looked = policy.choose_indexed(request, self.load.routable)
         if not self.decision_figures:
             return policy, [self.load.view(self.load.routable.replica_at(index), now)], 0, [looked[index]]

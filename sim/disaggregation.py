@@ -94,7 +94,13 @@ class PdSimulator(Simulator):
     def _make_router(self, ids: list[str]) -> Router:
         c = self.config
         return PdRouter(
-            ids, self.pools.pd_pools(ids), policy=c.routing_policy, clock=self.clock, seed=c.seed, tpot_slo=c.slo.tpot
+            ids,
+            self.pools.pd_pools(ids),
+            policy=c.routing_policy,
+            clock=self.clock,
+            seed=c.seed,
+            tpot_slo=c.slo.tpot,
+            decision_figures=self.keep_records,
         )
 
     def _hands_over(self, replica_id: str) -> bool:

@@ -173,7 +173,6 @@ class Simulator:
         self.clock = FakeClock()  # the router's: global virtual time
         ids = [f"r{i}" for i in range(self.config.num_replicas)]
         self.router = self._make_router(ids)
-        self.router.decision_figures = keep_records  # no per-replica figures for decisions never kept
         self.replicas = [self._make_replica(i, rid) for i, rid in enumerate(ids)]
         self._by_id = {r.replica_id: r for r in self.replicas}
         self.schedule = ArrivalSchedule(workload)
@@ -202,8 +201,12 @@ class Simulator:
         self._step_counts[replica_id] = 0
 
     def _make_router(self, ids: list[str]) -> Router:
-        """The router over the replicas (`sim.disaggregation`: one over two pools)."""
-        return Router(ids, self.config.routing_policy, self.clock, seed=self.config.seed, tpot_slo=self.config.slo.tpot)
+        """The router over the replicas (`sim.disaggregation`: one over two pools), with no
+        per-replica figures in decisions a run without records never keeps."""
+        c = self.config
+        return Router(
+            ids, c.routing_policy, self.clock, seed=c.seed, tpot_slo=c.slo.tpot, decision_figures=self.keep_records
+        )
 
     def _hands_over(self, replica_id: str) -> bool:
         """Whether the replica only prefills what it is routed (`sim.disaggregation`: a prefill
