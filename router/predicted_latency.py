@@ -24,22 +24,18 @@ measured from its own steps (`replica.pricing`) once it has run a few dozen, and
 priced by `DEFAULT_PRICING`, which its correction scales to its speed.
 
 The corrections: each replica's reports say how long its requests waited for their first token
-(`LoadReport.ttft`), and the policy fits, per replica, measured = scale x predicted + offset to
-them (`TtftFit`: exponentially weighted least squares on the relative error): the scale is what
-its pricing misses in proportion (a model's real speed, steps the walk does not foresee), the
-offset what every request pays whatever the queue (its way to the replica and its first token's
-way back, the serving loop around the steps), which a scale alone would learn as too large on
-an idle replica and too small on a busy one. The TPOT has its own, a scale learned from the
-decode its reports show: a request's time per token over its first `TPOT_STEPS` tokens after
-the first, read off two reports' `tokens_made`, against the TPOT predicted at its dispatch. The
-walk sees only the requests already routed, so it misses what decode pays for the prompts
-routed there while the request runs (each prefill chunk lengthens a step of every running row)
-and the serving loop's own time per step; a replica whose decode is near the TPOT limit (a slow
-one) passes the filter on the walk alone and then misses it. Until a replica has shown a TPOT,
-the scale of its TTFT fit stands in for the TPOT's (a replica that reports no pricing is slower
-or faster as a whole). The predicted TTFT of the chosen replica is what the decision records
-(`Decision.predicted_ttft`), and reports compare it with the measured one
-(`metrics.goodput_report`: TTFT prediction MAPE).
+(`LoadReport.ttft`), and the policy keeps, per replica, an exponentially weighted mean of
+log(measured / predicted): what its pricing misses (a model's real speed, steps the walk does
+not foresee). The TPOT has its own, learned the same way from the decode its reports show: a
+request's time per token over its first `TPOT_STEPS` tokens after the first, read off two
+reports' `tokens_made`, against the TPOT predicted at its dispatch. The walk sees only the
+requests already routed, so it misses what decode pays for the prompts routed there while the
+request runs (each prefill chunk lengthens a step of every running row) and the serving loop's
+own time per step; a replica whose decode is near the TPOT limit (a slow one) passes the filter
+on the walk alone and then misses it. Until a replica has shown a TPOT, its TTFT correction
+stands in for both (a replica that reports no pricing is slower or faster as a whole). The
+predicted TTFT of the chosen replica is what the decision records (`Decision.predicted_ttft`),
+and reports compare it with the measured one (`metrics.goodput_report`: TTFT prediction MAPE).
 
 The walk is bounded (`MAX_WALK_STEPS`); past it the prediction is what it has reached, which
 already ranks that replica behind any that can serve sooner.
@@ -67,51 +63,8 @@ DEFAULT_PRICING = StepPricing(
 MAX_WALK_STEPS = 4096
 TPOT_STEPS = 16  # decode steps of the new request its predicted TPOT is the mean of
 CORRECTION_WEIGHT = 0.1  # weight of each new error sample in a replica's running correction
-MAX_ERROR_RATIO = 2.0  # one sample is clipped to within x of what was expected of it: one stall moves it little
-# The TTFT fit takes an offset only once the predictions it has seen differ enough to tell one
-# from a scale (their weighted variance over their weighted mean square, 0 when all are equal).
-MIN_PREDICTION_SPREAD = 0.01
+MAX_ERROR_RATIO = 2.0  # one sample's measured / predicted is clipped to [1/x, x]: one stall moves it little
 OUTPUT_WINDOW = 256  # finished outputs the residuals are read from
-
-
-class TtftFit:
-    """One replica's measured TTFTs against its raw predicted ones: measured = scale x predicted
-    + offset, by least squares on the relative error (each sample weighted 1 / measured^2), the
-    older samples' weights decayed by 1 - CORRECTION_WEIGHT at each new one. An offset is fitted
-    only when it is positive and the predictions spread (`MIN_PREDICTION_SPREAD`); else the
-    scale alone (the line through the origin)."""
-
-    def __init__(self) -> None:
-        self._sums = [0.0] * 5  # weighted: 1, predicted, predicted^2, measured, predicted x measured
-
-    def observe(self, predicted: float, measured: float) -> None:
-        """One request's raw prediction and measured TTFT, the latter clipped to within
-        MAX_ERROR_RATIO of what the fit so far predicts (one stall moves it little)."""
-        expected = self(predicted)
-        measured = min(MAX_ERROR_RATIO * expected, max(expected / MAX_ERROR_RATIO, measured))
-        weight, keep = 1 / measured**2, 1 - CORRECTION_WEIGHT
-        terms = (1.0, predicted, predicted * predicted, measured, predicted * measured)
-        self._sums = [keep * s + weight * t for s, t in zip(self._sums, terms)]
-
-    def scale(self) -> float:
-        """The line through the origin (1 before any sample)."""
-        _, _, xx, _, xy = self._sums
-        return xy / xx if xx > 0 else 1.0
-
-    def line(self) -> tuple[float, float]:
-        """(scale, offset) of the fit."""
-        w, x, xx, y, xy = self._sums
-        spread = w * xx - x * x
-        if w > 0 and spread > MIN_PREDICTION_SPREAD * w * xx:
-            scale = (w * xy - x * y) / spread
-            offset = (y - scale * x) / w
-            if scale > 0 and offset >= 0:
-                return scale, offset
-        return self.scale(), 0.0
-
-    def __call__(self, predicted: float) -> float:
-        scale, offset = self.line()
-        return scale * predicted + offset
 
 
 class OutputResiduals:
@@ -171,8 +124,8 @@ class LatencyModel:
         self.tpot_slo = tpot_slo
         self._placed: dict[str, _Placed] = {}
         self._by_replica: dict[str, dict[str, _Placed]] = {}  # dispatch order
-        self._ttft_fit: dict[str, TtftFit] = {}  # replica -> its measured TTFTs against its predicted ones
-        self._log_tpot_error: dict[str, float] = {}  # replica -> running mean of log(measured / predicted TPOT)
+        self._log_error: dict[str, float] = {}  # replica -> running mean of log(measured / predicted TTFT)
+        self._log_tpot_error: dict[str, float] = {}  # the same for TPOT
         self._caching: set[str] = set()  # replicas whose reports carry K/V events: a prefix cache
         self._priced: set[str] = set()  # replicas whose reports have carried their own pricing
         self._last: dict[str, tuple[Prediction, int]] = {}  # the last scoring's raw predictions, cached tokens
@@ -196,10 +149,8 @@ class LatencyModel:
         return [p.ttft if ok else math.inf for p, ok in zip(predicted, eligible)]
 
     def correction(self, replica_id: str) -> float:
-        """The scale of this replica's TTFT fit through the origin (1 until it has reported a
-        TTFT): what stands in for its TPOT correction until it has one."""
-        fit = self._ttft_fit.get(replica_id)
-        return 1.0 if fit is None else fit.scale()
+        """What this replica's raw TTFT is multiplied by (1 until it has reported a TTFT)."""
+        return math.exp(self._log_error.get(replica_id, 0.0))
 
     def tpot_correction(self, replica_id: str) -> float:
         """What this replica's raw TPOT is multiplied by: its TTFT correction until its reports
@@ -208,9 +159,7 @@ class LatencyModel:
         return self.correction(replica_id) if log_error is None else math.exp(log_error)
 
     def corrected(self, replica_id: str, raw: Prediction) -> Prediction:
-        fit = self._ttft_fit.get(replica_id)
-        ttft = raw.ttft if fit is None else fit(raw.ttft)
-        return Prediction(ttft, raw.tpot * self.tpot_correction(replica_id))
+        return Prediction(raw.ttft * self.correction(replica_id), raw.tpot * self.tpot_correction(replica_id))
 
     def predict_raw(
         self, request: RouteRequest, view: ReplicaView, cached: int = 0, expected_output: float = 1.0
@@ -273,7 +222,7 @@ class LatencyModel:
             # its first prices of its own (a real replica's measured ones): what was learned
             # against the fallback's would mis-scale them
             self._priced.add(load.replica_id)
-            self._ttft_fit.pop(load.replica_id, None)
+            self._log_error.pop(load.replica_id, None)
             self._log_tpot_error.pop(load.replica_id, None)
         held = self._by_replica.get(load.replica_id)
         if not held:
@@ -282,7 +231,7 @@ class LatencyModel:
             placed = held.get(request_id)
             if placed is None or not placed.predicted_ttft > 0 or measured <= 0:
                 continue  # not placed here, already learned from, or a moved request's carried tokens
-            self._ttft_fit.setdefault(load.replica_id, TtftFit()).observe(placed.predicted_ttft, measured)
+            _learn(self._log_error, load.replica_id, measured / placed.predicted_ttft, 0.0)
             placed.predicted_ttft = math.nan  # one sample per request
         for request_id, made in load.tokens_made.items():
             placed = held.get(request_id)
@@ -294,7 +243,7 @@ class LatencyModel:
             since, made_then = placed.decode_seen
             if made - made_then >= TPOT_STEPS:
                 measured = (load.time - since) / (made - made_then)
-                prior = math.log(self.correction(load.replica_id))  # what stood in for it
+                prior = self._log_error.get(load.replica_id, 0.0)  # what stood in for it
                 _learn(self._log_tpot_error, load.replica_id, measured / placed.predicted_tpot, prior)
                 placed.predicted_tpot = math.nan
 
