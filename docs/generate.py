@@ -278,23 +278,48 @@ def experiments_index(folder: Path) -> str:
     return table(["experiment file", "report", "made (date, commit)", "cluster", "status"], rows)
 
 
-def report_rows(path: Path, columns: list[str], where: dict[str, str]) -> str:
-    """The rows of a report's Results table that match `where`, in `columns`."""
-    text = path.read_text()
-    section = text.split("## Results", 1)[1].split("\n## ", 1)[0]
+def results(path: Path) -> list[dict[str, str]]:
+    """A report's Results table, a dict per row keyed by the column heads."""
+    section = path.read_text().split("## Results", 1)[1].split("\n## ", 1)[0]
     lines = [line for line in section.splitlines() if line.startswith("|")]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
-    rows = []
-    for line in lines[2:]:
-        values = dict(zip(head, (c.strip() for c in line.strip("|").split("|"))))
-        if all(values.get(k) == v for k, v in where.items()):
-            rows.append([values[c] for c in columns])
+    return [dict(zip(head, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
+
+
+def report_rows(path: Path, columns: list[str], where: dict[str, str]) -> str:
+    """The rows of a report's Results table that match `where`, in `columns`."""
+    matching = [values for values in results(path) if all(values.get(k) == v for k, v in where.items())]
+    rows = [[values[c] for c in columns] for values in matching]
     made = report_header(path)
     status = report_status(made)
     rows_at = "rows at " + ", ".join(f"{k} {v}" for k, v in where.items()) if where else "every row"
     intro = f"From `{path.relative_to(ROOT).as_posix()}` ({made['date']}; {status}); {rows_at}"
     align = "".join("r" if c not in ("workload", "batching", "routing") else "_" for c in columns)
     return intro + ".\n\n" + table(columns, rows, align)
+
+
+def ttft_order(twin: Path, real: Path) -> str:
+    """The routing policies' TTFT p90 (the median over seeds) on real replicas and on their
+    fake twin, each policy's rank on each side, and the Spearman rank correlation of the two."""
+    from benchmarks.fidelity import ranks, spearman
+
+    sides = [{r["routing"]: float(r["TTFT p90 s"].split()[0]) for r in results(path)} for path in (real, twin)]
+    policies = [p for p in sides[0] if p in sides[1]]
+    values = [[side[p] for p in policies] for side in sides]
+    order = [ranks(v) for v in values]
+    rows = [
+        [p, f"{values[0][i]:.3f}", f"{order[0][i]:g}", f"{values[1][i]:.3f}", f"{order[1][i]:g}"]
+        for i, p in enumerate(policies)
+    ]
+    head = ["routing", "real TTFT p90 s", "rank", "fake twin TTFT p90 s", "rank"]
+    shown = [(p.relative_to(ROOT) if p.is_relative_to(ROOT) else p).as_posix() for p in (real, twin)]
+    dates = " and ".join(f"`{name}` ({report_header(p)['date']})" for name, p in zip(shown, (real, twin)))
+    rho = spearman(*values)
+    return (
+        f"From {dates}: TTFT p90, medians over seeds.\n\n{table(head, rows, '_rrrr')}\n\n"
+        f"Spearman rank correlation across the {len(policies)} routing policies: "
+        f"{'undefined' if rho is None else f'{rho:.2f}'}."
+    )
 
 
 ROUTING_COLUMNS = ["workload", "routing", "good tok/s", "SLO met %", "TTFT p99 s", "prefix hit %", "imbalance"]
@@ -308,6 +333,7 @@ KV_PRESSURE_REAL_COLUMNS = [
     "imbalance",
     "TTFT pred MAPE %",
 ]
+KV_PRESSURE_REAL = ROOT / "workloads/experiments/kv-pressure-real/report.md"
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "bench": bench,
     "kv-memory": kv_memory,
@@ -318,6 +344,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "routing-at-095": lambda p: report_rows(p, ROUTING_COLUMNS, {"load": "0.95"}),
     "routing-at-095-real": lambda p: report_rows(p, ROUTING_COLUMNS[1:], {"load": "0.95"}),
     "routing-kv-pressure-real": lambda p: report_rows(p, KV_PRESSURE_REAL_COLUMNS, {}),
+    "routing-kv-pressure-twin-order": lambda p: ttft_order(p, KV_PRESSURE_REAL),
 }
 
 

@@ -95,6 +95,29 @@ def test_a_results_block_is_rendered_from_its_source(tmp_path: Path) -> None:
     assert generate.render_blocks(tampered) == page
 
 
+def test_the_twin_order_block_ranks_both_sides_and_correlates_them(tmp_path: Path) -> None:
+    """Three policies' TTFT p90 on real replicas (1, 2, 3 s) and on the twin (1, 3, 2 s): each
+    side's ranks, and a Spearman of 0.5 (one adjacent swap in three); a policy one side lacks is
+    left out."""
+
+    def report(name: str, p90: dict[str, str]) -> Path:
+        rows = "\n".join(f"| chunked | {k} | {v} |" for k, v in p90.items())
+        text = (
+            f"# {name}\n\nMade by `slotserve experiment {name}.toml` on 2026-12-02, commit `abc`.\n\n"
+            "- Machine: vm\n- Cluster: 2 replicas, fake model\n\n"
+            f"## Results\n\n| batching | routing | TTFT p90 s |\n|---|---|---:|\n{rows}\n\n## Runs\n"
+        )
+        path = tmp_path / f"{name}.md"
+        path.write_text(text)
+        return path
+
+    real = report("real", {"a": "1.000 ±0.1", "b": "2.000 ±0.1", "c": "3.000 ±0.1", "d": "4.000 ±0.1"})
+    twin = report("twin", {"a": "1.000 ±0.1", "b": "3.000 ±0.1", "c": "2.000 ±0.1"})
+    block = generate.ttft_order(twin, real)
+    assert "| b | 2.000 | 2 | 3.000 | 3 |" in block and "| d |" not in block
+    assert block.endswith("across the 3 routing policies: 0.50.")
+
+
 def test_every_measured_table_has_a_source_or_a_date() -> None:
     """A table row with a decimal figure or a percentage sits in a generated block (rendered
     from a committed file) or a historical one naming the machine and the date."""
