@@ -12,7 +12,9 @@ A fleet's rate is its replicas' rates summed, each over its own busy span: a pro
 every slot at once, so a replica that is four times slower ends the probe long after the
 others, and the fleet's tokens over the whole span would price the cluster at the slow
 replicas' pace (a load of 2.0 by that measure is about 0.8 of what the replicas serve, each at
-its own pace). For identical replicas the two agree.
+its own pace). For identical replicas the two agree. Replicas that share cores are each
+counted at the pace it had, which the one left running last, with the cores to itself, may
+exceed.
 
 The sum is conservative: a step that mixes decodes and prefill chunks shares its fixed cost,
 so mixed traffic is served a little faster than its parts measured apart. Prefix-cache hits
@@ -86,6 +88,22 @@ class Capacity:
         return params
 
 
+class Served(Protocol):
+    """What a probe reads of each request it sent (`metrics.definitions.RequestTrace`): when
+    it arrived, when each token came, and the replica that served it (None: one engine)."""
+
+    arrival: float
+    token_times: list[float]
+    replica: str | None
+
+
+def _by_replica(served: Iterable[Served]) -> list[list[Served]]:
+    groups: dict[str | None, list[Served]] = {}
+    for r in served:
+        groups.setdefault(r.replica, []).append(r)
+    return list(groups.values())
+
+
 def decode_rate(served: Iterable[Served]) -> float:
     """Output tokens/s of a saturating decode probe: per replica, the tokens after each
     request's first over the time from its first first-token to its last token, summed over
@@ -108,24 +126,8 @@ def prefill_rate(prompt_len: int, served: Iterable[Served], start: float) -> flo
     )
 
 
-def _by_replica(served: Iterable[Served]) -> list[list[Served]]:
-    groups: dict[str | None, list[Served]] = {}
-    for r in served:
-        groups.setdefault(r.replica, []).append(r)
-    return list(groups.values())
-
-
 def prefill_probe_len(max_seq_len: int) -> int:
     return min(PREFILL_PROBE_LEN, max_seq_len - 2)
-
-
-class Served(Protocol):
-    """What a probe reads of each request it sent (`metrics.definitions.RequestTrace`): when
-    it arrived, when each token came, and the replica that served it (None: one engine)."""
-
-    arrival: float
-    token_times: list[float]
-    replica: str | None
 
 
 ProbeRunner = Callable[[Workload], Sequence[Served]]
