@@ -51,6 +51,11 @@ def cell(value: object) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
+def shown(path: Path) -> str:
+    """A file as the docs name it: from the repository's root when it lies inside."""
+    return (path.relative_to(ROOT) if path.is_relative_to(ROOT) else path).as_posix()
+
+
 def table(head: list[str], rows: list[list[object]], align: str = "") -> str:
     """A markdown table; `align` has one letter per column, `r` right-aligns it."""
     rule = ["---:" if i < len(align) and align[i] == "r" else "---" for i in range(len(head))]
@@ -65,7 +70,7 @@ def table(head: list[str], rows: list[list[object]], align: str = "") -> str:
 def bench(path: Path) -> str:
     """A `slotserve bench` JSON: every row, the machine, and the summary the bench printed."""
     data = json.loads(path.read_text())
-    rel = path.relative_to(ROOT).as_posix()
+    rel = shown(path)
     m = data.get("machine")
     if m:
         machine = (
@@ -273,7 +278,7 @@ def experiments_index(folder: Path) -> str:
     for report in sorted(folder.glob("*/report.md")):
         h = report_header(report)
         why = report_status(h)
-        rel = report.relative_to(ROOT).as_posix()
+        rel = shown(report)
         rows.append([f"`{h['toml']}`", f"`{rel}`", f"{h['date']}, `{h['commit'][:7]}`", h["cluster"], why])
     return table(["experiment file", "report", "made (date, commit)", "cluster", "status"], rows)
 
@@ -293,7 +298,7 @@ def report_rows(path: Path, columns: list[str], where: dict[str, str]) -> str:
     made = report_header(path)
     status = report_status(made)
     rows_at = "rows at " + ", ".join(f"{k} {v}" for k, v in where.items()) if where else "every row"
-    intro = f"From `{path.relative_to(ROOT).as_posix()}` ({made['date']}; {status}); {rows_at}"
+    intro = f"From `{shown(path)}` ({made['date']}; {status}); {rows_at}"
     align = "".join("r" if c not in ("workload", "batching", "routing") else "_" for c in columns)
     return intro + ".\n\n" + table(columns, rows, align)
 
@@ -312,8 +317,7 @@ def ttft_order(twin: Path, real: Path) -> str:
         for i, p in enumerate(policies)
     ]
     head = ["routing", "real TTFT p90 s", "rank", "fake twin TTFT p90 s", "rank"]
-    shown = [(p.relative_to(ROOT) if p.is_relative_to(ROOT) else p).as_posix() for p in (real, twin)]
-    dates = " and ".join(f"`{name}` ({report_header(p)['date']})" for name, p in zip(shown, (real, twin)))
+    dates = " and ".join(f"`{shown(p)}` ({report_header(p)['date']})" for p in (real, twin))
     rho = spearman(*values)
     return (
         f"From {dates}: TTFT p90, medians over seeds.\n\n{table(head, rows, '_rrrr')}\n\n"
@@ -531,7 +535,7 @@ def experiment_reference() -> str:
     out += [
         "## An example",
         "",
-        f"`{example.relative_to(ROOT).as_posix()}`, as shipped:",
+        f"`{shown(example)}`, as shipped:",
         "",
         "```toml",
         example.read_text().rstrip(),
