@@ -27,7 +27,9 @@ start (`cluster.deploy.start_cluster`, which returns only once every replica is 
 autoscaling controller's `start_timeout`). Requests meanwhile go to the replicas that are up. A
 router Ray restarted cannot tell a replica that had answered the router it replaces from one
 still loading (that router may have died while `start_cluster` waited), so it holds every one
-starting too; one that is built answers within a health period and is routed to again.
+starting too, and asks each for its health once before it takes its first call (waiting at
+most `health_timeout`): the replicas that were serving are routed to from that call on, and one
+that has not answered yet is left to the watcher, as a starting one.
 
 Scaling: the autoscaling controller (`cluster.autoscaler`) reads `scaling_view` every decision
 period (the last load reports, the requests in flight, the new requests routed since its last
@@ -130,6 +132,8 @@ class RouterActor:
         self._run_id: int | None = None
         # Decisions of the current run on their way to the store; never waits on it (protocol.backlog).
         self._decisions: StoreBacklog[Decision] = StoreBacklog(self._send_decisions, flush_every)
+        if health_period is not None and restarted:
+            self.apply_health(self._ask_health(health_timeout))
         if health_period is not None:
             threading.Thread(
                 target=self._watch, args=(health_period, health_timeout), daemon=True, name="slotserve-health"
@@ -282,6 +286,15 @@ class RouterActor:
                 self._restarts_asked += 1
                 ray.kill(self._handles[replica_id], no_restart=False)
 
+    def _ask_health(self, timeout: float) -> dict[str, HealthReport | Unreachable]:
+        """Every replica's answer to one health question, waiting at most `timeout` in all;
+        those that have not answered by then are left out."""
+        asked = {replica_id: handle.health.remote() for replica_id, handle in self._handles.items()}
+        if not asked:
+            return {}
+        ready, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=timeout)
+        return {replica_id: _answer(replica_id, ref) for replica_id, ref in asked.items() if ref in ready}
+
     def _watch(self, period: float, timeout: float) -> None:
         """The watcher thread: ask, wait at most `timeout`, hand the answers to the actor."""
         me = ray.get_runtime_context().current_actor
@@ -298,11 +311,7 @@ class RouterActor:
             for replica_id, (ref, asked) in list(pending.items()):
                 if ref in ready:
                     del pending[replica_id]
-                    try:
-                        answers[replica_id] = ray.get(ref)
-                    except Exception as err:  # noqa: BLE001 - a dead or broken replica is an answer too
-                        why = f"no health answer: {type(err).__name__}"
-                        answers[replica_id] = Unreachable(replica_id, why, time.time())
+                    answers[replica_id] = _answer(replica_id, ref)
                 elif now - asked > timeout:
                     silent[replica_id] = Unreachable(replica_id, f"no health answer within {timeout:g} s", time.time())
             if answers or silent:
@@ -374,3 +383,12 @@ def _actor(handle_or_name: ActorHandle | str, wait: float = 60.0, missing_ok: bo
                     return None
                 raise
             time.sleep(0.1)
+
+
+def _answer(replica_id: str, ref: ray.ObjectRef) -> HealthReport | Unreachable:
+    """A replica's answer to a health question that has come back: its report, or the error
+    the question raised (a dead or broken replica), which is an answer too."""
+    try:
+        return ray.get(ref)
+    except Exception as err:  # noqa: BLE001 - whatever Ray raised, the replica did not answer healthy
+        return Unreachable(replica_id, f"no health answer: {type(err).__name__}", time.time())

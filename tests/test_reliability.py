@@ -44,7 +44,8 @@ def ray_local():
 def cluster(ray_local, tmp_path):
     def start(**kw):
         kw.setdefault("replica", fake())
-        return start_cluster(ClusterSpec(store_path=str(tmp_path / "s.db"), health_period=0.5, **kw))
+        kw.setdefault("health_period", 0.5)
+        return start_cluster(ClusterSpec(store_path=str(tmp_path / "s.db"), **kw))
 
     yield start
     stop_cluster()
@@ -340,11 +341,26 @@ def test_explicit_address_of_a_token_auth_cluster_connects(tmp_path):
 
 def test_router_restarted_by_ray_is_retried_and_serves(cluster):
     """The router killed (Ray restarts it): the client's next requests wait for it with backoff
-    instead of failing, and the restarted router routes on the replicas' fresh reports."""
-    deployment = cluster(num_replicas=2)
+    instead of failing, and the restarted router routes on the replicas' fresh reports. It asks
+    the replicas for their health before its first call, so its first answer already has both
+    up (else a request arriving before its watcher's first round would be refused)."""
+    # health rounds slower than a restart: a router that waited for its watcher's first round
+    # would still hold both replicas starting when it first answers
+    deployment = cluster(num_replicas=2, health_period=3.0)
+
+    def answered() -> dict | None:
+        """The restarted router's status (it has routed nothing yet; the killed one had)."""
+        try:
+            status = ray.get(deployment.router.status.remote(), timeout=10)
+        except ray.exceptions.RayError:
+            return None  # still restarting
+        return status if status["routed"] == 0 else None
+
     with Client() as client:
         assert client.generate([1], max_tokens=2, ignore_eos=True).finish_reason == "length"
         ray.kill(deployment.router, no_restart=False)
+        status = wait_until(answered, what="the restarted router to answer")
+        assert status["down"] == {}, status["down"]
         results = [client.generate([i + 2], max_tokens=3, ignore_eos=True) for i in range(4)]
     assert all(r.token_ids == FAKE.continuation([i + 2], 3) for i, r in enumerate(results))
     wait_until(lambda: in_flight(deployment) == 0, what="the new router's books to settle")
