@@ -146,16 +146,18 @@ def test_fused_rope_write_and_silu_mul_equal_torch(dtype, rope):
     torch.testing.assert_close(fused_ops.rms_norm(x, weight, 1e-5).float(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [1, 15, 49152, 50257])
-def test_fused_argmax_equals_torch_argmax(vocab):
-    """The sampler's argmax kernel returns torch.argmax's index for every row: the first of equal
-    maxima, the first NaN of a row that has one, 0 for a row of -inf, on strided rows too."""
+def test_fused_argmax_equals_torch_argmax(vocab, dtype):
+    """The sampler's argmax kernel returns torch.argmax's index for every row, fp32 or bf16 (a
+    bf16 step's logits are not widened first): the first of equal maxima, the first NaN of a row
+    that has one, 0 for a row of -inf, on strided rows too."""
     from replica.kernels import fused_ops
 
     if not shutil.which("c++"):
         pytest.skip("no C++ compiler: the kernels are not built and torch's operators serve")
     torch.manual_seed(0)
-    x = torch.randn(70, vocab + 3)[:, 1 : vocab + 1]
+    x = torch.randn(70, vocab + 3).to(dtype)[:, 1 : vocab + 1]  # bf16 rounding makes more ties: still the first
     x[1, :] = float("-inf")
     x[2, vocab // 2] = x[2, vocab - 1] = 1e3  # a tie: the first wins
     x[3, vocab - 1] = float("nan")

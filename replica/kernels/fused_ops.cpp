@@ -378,15 +378,29 @@ static int64_t argmax_row(const float* x, int64_t n) {
   return 0;  // not reached: m is one of the row's values
 }
 
+// bf16 rows are widened into a float buffer first, so the index is the one the fp32 copy of the
+// same logits gives (the widening is exact), without writing that copy for every row of a step.
 at::Tensor argmax(at::Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0 && x.scalar_type() == at::kFloat,
-              "argmax: [rows, n > 0] float32 rows");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "argmax: [rows, n > 0] float32 or bfloat16 rows");
   const int64_t num_rows = x.size(0), n = x.size(1), xs = x.stride(0);
   at::Tensor out = at::empty({num_rows}, x.options().dtype(at::kLong));
-  const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, num_rows, rows_per_task(n), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) op[t] = argmax_row(xp + t * xs, n);
-  });
+  if (x.scalar_type() == at::kFloat) {
+    const float* xp = x.data_ptr<float>();
+    at::parallel_for(0, num_rows, rows_per_task(n), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) op[t] = argmax_row(xp + t * xs, n);
+    });
+  } else {
+    const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+    at::parallel_for(0, num_rows, rows_per_task(n), [&](int64_t begin, int64_t end) {
+      std::vector<float> row(n);
+      for (int64_t t = begin; t < end; ++t) {
+        to_floats(xp + t * xs, row.data(), n);
+        op[t] = argmax_row(row.data(), n);
+      }
+    });
+  }
   return out;
 }

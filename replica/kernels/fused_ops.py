@@ -58,6 +58,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """[rows, n] float32 -> [rows] int64, equal to `x.argmax(dim=-1)` (the first of equal maxima,
-    or the first NaN)."""
+    """[rows, n] float32 or bfloat16 -> [rows] int64, equal to `x.argmax(dim=-1)` (the first of
+    equal maxima, or the first NaN)."""
     return _EXTENSION.module.argmax(x)

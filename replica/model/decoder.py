@@ -263,7 +263,9 @@ class Decoder:
                 h = F.silu(gate) * up
             x = layer.down(h, residual=x)
         x = self._norm(x[logit_rows], self.final_norm)
-        return self.linear["lm_head"](x).float()
+        # in the weights' dtype: the sampler widens only the rows that draw (widening every row of
+        # a big step is a copy of the whole [rows, vocab] block, a few percent of a bf16 step)
+        return self.linear["lm_head"](x)
 
 
 def _llama_state(sd: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:

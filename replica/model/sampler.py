@@ -9,6 +9,8 @@ import torch
 from replica.kernels import fused_ops
 from replica.scheduling.request import Request
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what `fused_ops.argmax` reads
+
 
 def position_seed(seed: int, position: int) -> int:
     """The generator seed for output position `position` of a request seeded `seed` (an odd
@@ -47,13 +49,15 @@ class Sampler:
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's argmax: the C++ kernel where it serves (torch's CPU argmax is a scalar loop,
         a large share of a big decode step's sampling), else torch's; the same tokens either way."""
-        serves = logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(-1) == 1
+        serves = logits.is_cpu and logits.dtype in _KERNEL_DTYPES and logits.dim() == 2 and logits.stride(-1) == 1
         if self._kernel and serves:
             return fused_ops.argmax(logits)
         return logits.argmax(dim=-1)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """logits: [rows, vocab] float32, row i for requests[i]."""
+        """logits: [rows, vocab] in the model's dtype, row i for requests[i] (the drawing rows are
+        widened to float32 here; greedy rows take the argmax of the values as they are, which is
+        the argmax of their float32 copy)."""
         held: list[int] = []  # rows whose request has not made its min_tokens yet
         rows: list[int] = []  # rows that draw (not greedy)
         for i, r in enumerate(requests):
