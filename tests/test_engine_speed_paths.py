@@ -66,10 +66,12 @@ def test_gathered_attention_equals_the_range_view():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 24])
-def test_decode_kernel_equals_sdpa(dtype, head_dim):
+@pytest.mark.parametrize("group", [1, 3, 5])
+def test_decode_kernel_equals_sdpa(dtype, head_dim, group):
     """The C++ decode kernel and the SDPA path give the same attention for decode rows in scattered
-    slots, listed out of slot order, with grouped K/V heads, next to a prefill chunk's rows (which
-    stay on SDPA); head_dim 24 takes the kernel's scalar tail."""
+    slots, listed out of slot order, with `group` query heads per K/V head (up to 4 the kernel
+    keeps the sums in registers, past it in memory), next to a prefill chunk's rows (which stay on
+    SDPA); head_dim 24 takes the kernel's scalar tail."""
     from replica.kernels import decode_attention
 
     if not shutil.which("c++"):
@@ -77,13 +79,13 @@ def test_decode_kernel_equals_sdpa(dtype, head_dim):
     assert decode_attention.available("cpu")
     torch.manual_seed(0)
     k, v = (torch.randn(64, 3, 40, head_dim).to(dtype) for _ in range(2))
-    q = torch.randn(7, 9, head_dim).to(dtype)
+    q = torch.randn(7, 3 * group, head_dim).to(dtype)
     slots, positions = [61, 2, 30, 7], [17, 5, 39, 0]
     groups = [
-        build_group([0, 1, 2, 3], slots, [0, 0, 0, 0], positions, 3, "cpu"),
-        build_group([4, 5, 6], [9, 9, 9], [0, 1, 2], [10, 11, 12], 3, "cpu"),  # a prefill chunk
+        build_group([0, 1, 2, 3], slots, [0, 0, 0, 0], positions, group, "cpu"),
+        build_group([4, 5, 6], [9, 9, 9], [0, 1, 2], [10, 11, 12], group, "cpu"),  # a prefill chunk
     ]
-    meta = AttentionMetadata(torch.tensor(slots + [9, 9, 9]), groups, 3)
+    meta = AttentionMetadata(torch.tensor(slots + [9, 9, 9]), groups, group)
 
     def run(kernel: bool) -> torch.Tensor:
         return slot_attention(q, k, v, meta, decode_kernel=kernel).float()
@@ -91,7 +93,7 @@ def test_decode_kernel_equals_sdpa(dtype, head_dim):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(run(True), run(False), rtol=tol, atol=tol)
     # a cache row or key count past the cache is refused, not read
-    out, rows = q.new_empty(7, 9 * head_dim), torch.tensor([0])
+    out, rows = q.new_empty(7, 3 * group * head_dim), torch.tensor([0])
     with pytest.raises(RuntimeError, match="cache row 64 out of range"):
         decode_attention.decode_attention(q, k, v, rows, torch.tensor([64]), torch.tensor([1]), out)
     with pytest.raises(RuntimeError, match="41 keys, the cache holds 40"):

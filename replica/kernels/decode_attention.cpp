@@ -42,15 +42,26 @@ static inline void axpy(float* acc, float p, const T* v, int64_t D) {
   for (; d < D; ++d) acc[d] += p * to_float(v[d]);
 }
 
+#if defined(__AVX512F__)
+// How many keys ahead the loops below ask for: a row's keys are one contiguous run, but a step's
+// rows start cold (their K/V were written steps ago), and the hardware prefetcher alone keeps too
+// few lines in flight for the two loops' few instructions per key.
+static constexpr int64_t kAhead = 16;
+template <typename T>
+static inline void prefetch_key(const T* p, int64_t D) {
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
+}
+
 // score[g * len + l] = q_g . k_l for the G query heads sharing one K/V head (q fp32, scaled).
 // Where D is 16 C values (C up to 8, known when compiled so a key stays in registers), each key is
 // widened to fp32 once for all G heads; the sums are the same FMAs in the same order as `dot`'s,
 // so either path gives the same scores.
-#if defined(__AVX512F__)
 template <int C, typename T>
 static void scores_c(const float* qf, const T* k, int64_t len, int64_t G, float* score) {
   constexpr int64_t D = 16 * C;
   for (int64_t l = 0; l < len; ++l) {
+    if (l + kAhead < len) prefetch_key(k + (l + kAhead) * D, D);
     __m512 kv[C];
     for (int c = 0; c < C; ++c) kv[c] = load16(k + l * D + 16 * c);
     for (int64_t g = 0; g < G; ++g) {
@@ -62,9 +73,37 @@ static void scores_c(const float* qf, const T* k, int64_t len, int64_t G, float*
   }
 }
 
-// acc[g] += sum_l p[g * len + l] * v_l, each value widened once for all G heads (as `scores_c`).
+// acc[g] = sum_l p[g * len + l] * v_l, each value widened once for all G heads (as `scores_c`),
+// the G * C sums held in registers for the whole row (the same FMAs in the same order as the
+// loop below that serves other G, which reads and writes them through memory at every key).
+template <int C, int G, typename T>
+static void weighted_sum_cg(const float* p, const T* v, int64_t len, float* acc) {
+  constexpr int64_t D = 16 * C;
+  __m512 a[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
+  for (int64_t l = 0; l < len; ++l) {
+    if (l + kAhead < len) prefetch_key(v + (l + kAhead) * D, D);
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(v + l * D + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * len + l]);
+      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(pg, vv[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[g][c]);
+}
+
+// acc[g] += sum_l p[g * len + l] * v_l.
 template <int C, typename T>
 static void weighted_sum_c(const float* p, const T* v, int64_t len, int64_t G, float* acc) {
+  switch (G) {
+    case 1: return weighted_sum_cg<C, 1>(p, v, len, acc);
+    case 2: return weighted_sum_cg<C, 2>(p, v, len, acc);
+    case 3: return weighted_sum_cg<C, 3>(p, v, len, acc);
+    case 4: return weighted_sum_cg<C, 4>(p, v, len, acc);
+  }
   constexpr int64_t D = 16 * C;
   for (int64_t l = 0; l < len; ++l) {
     __m512 vv[C];

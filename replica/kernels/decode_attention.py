@@ -6,7 +6,8 @@ grouped heads) over a padded key range with a mask, and at 16-64 rows reaches a 
 memory bandwidth that bounds this work (HARDWARE.md, "What each optimisation bought"). This
 kernel reads each row's keys straight from its slot (no gathered copy of scattered slots, no
 padding to the longest row, no mask), reads each key and value once for all the query heads
-that share it, and runs rows and K/V heads in parallel on torch's threads. It accumulates in
+that share it (asking for the keys a few ahead: a step's rows are cold in the caches, written
+steps ago), and runs rows and K/V heads in parallel on torch's threads. It accumulates in
 fp32 for fp32 and bf16 caches alike.
 
 Built by `replica.kernels.build` (once per CPU kind; `make setup` runs it). Where it cannot be
