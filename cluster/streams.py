@@ -134,6 +134,7 @@ class Flight:
             self.block_hashes,
             self.block_size,
             moved_from,
+            self.result.arrival,
         )
 
     def resume(self) -> Resume | None:

@@ -39,7 +39,8 @@ class Decision:
     request was counted; `signal_age` is the age of the oldest load report that went into a
     score (None when the policy used none, or no replica has reported yet). `predicted_ttft`:
     the TTFT the policy predicted on the chosen replica, in seconds (None: it predicts none),
-    which reports compare with the measured one."""
+    counted from the client's send (`RouteRequest.sent_at`, where the router is told it) as the
+    measured one is, which reports compare it with."""
 
     request_id: str
     replica_id: str

@@ -14,7 +14,10 @@ class RouteRequest:
     """What the router needs to know about a request to place it. `block_hashes`: the chained
     hashes of the prompt's full blocks of `block_size` tokens (`protocol.blocks`), for
     prefix-aware policies; empty when the caller does not send them. `moved_from`: the replica
-    the request is being moved off (lost or draining), whose place is released first."""
+    the request is being moved off (lost or draining), whose place is released first.
+    `sent_at`: when the client sent it, on the router's clock (wall time on a cluster; None: not
+    told), where the TTFT a replica reports starts: what it waited before the router saw it is
+    part of that TTFT and of no replica's queue."""
 
     request_id: str
     prompt_len: int
@@ -23,6 +26,7 @@ class RouteRequest:
     block_hashes: tuple[int, ...] = ()
     block_size: int = defaults.BLOCK_SIZE
     moved_from: str | None = None
+    sent_at: float | None = None
 
 
 @dataclass(frozen=True)

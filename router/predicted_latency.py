@@ -26,7 +26,11 @@ priced by `DEFAULT_PRICING`, which its correction scales to its speed.
 The corrections: each replica's reports say how long its requests waited for their first token
 (`LoadReport.ttft`), and the policy keeps, per replica, an exponentially weighted mean of
 log(measured / predicted): what its pricing misses (a model's real speed, steps the walk does
-not foresee). The TPOT has its own, learned the same way from the decode its reports show: a
+not foresee). A TTFT counts from the client's send; where the request says when that was
+(`RouteRequest.sent_at`), what it waited before the router saw it is taken off the measured
+TTFT the correction learns from and added to the TTFT a decision records
+(`router.router._from_send`), so the correction scales only what the walk prices.
+The TPOT has its own, learned the same way from the decode its reports show: a
 request's time per token over its first `TPOT_STEPS` tokens after the first, read off two
 reports' `tokens_made`, against the TPOT predicted at its dispatch. The walk sees only the
 requests already routed, so it misses what decode pays for the prompts routed there while the
@@ -97,6 +101,7 @@ class _Placed:
     expected_output: float
     predicted_ttft: float  # before the correction: what the error is learned against
     predicted_tpot: float  # likewise
+    waited: float  # seconds from the client's send to the dispatch: in the measured TTFT, in no queue
     decode_seen: tuple[float, int] | None = None  # (report time, tokens made) of its first report decoding
 
 
@@ -191,6 +196,7 @@ class LatencyModel:
         """The request went to `replica_id` after `scores`: it joins that replica's queue."""
         raw, cached = self._last.get(replica_id, (None, 0))
         self.completed(request.request_id)  # a moved request leaves its old queue
+        waited = 0.0 if request.sent_at is None else max(0.0, now - request.sent_at)
         placed = _Placed(
             replica_id,
             now,
@@ -200,6 +206,7 @@ class LatencyModel:
             expected_output,
             math.nan if raw is None else raw.ttft,
             math.nan if raw is None else raw.tpot,
+            waited,
         )
         self._placed[request.request_id] = placed
         self._by_replica.setdefault(replica_id, {})[request.request_id] = placed
@@ -231,7 +238,8 @@ class LatencyModel:
             placed = held.get(request_id)
             if placed is None or not placed.predicted_ttft > 0 or measured <= 0:
                 continue  # not placed here, already learned from, or a moved request's carried tokens
-            _learn(self._log_error, load.replica_id, measured / placed.predicted_ttft, 0.0)
+            since_dispatch = max(measured - placed.waited, 1e-9)
+            _learn(self._log_error, load.replica_id, since_dispatch / placed.predicted_ttft, 0.0)
             placed.predicted_ttft = math.nan  # one sample per request
         for request_id, made in load.tokens_made.items():
             placed = held.get(request_id)

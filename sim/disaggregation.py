@@ -106,8 +106,8 @@ class PdSimulator(Simulator):
     def _hands_over(self, replica_id: str) -> bool:
         return self.router.pools.role(replica_id) == "prefill"
 
-    def _route_request(self, rid: str, spec: WorkloadRequest, prompt: list[int]) -> RouteRequest:
-        route = super()._route_request(rid, spec, prompt)
+    def _route_request(self, rid: str, spec: WorkloadRequest, prompt: list[int], sent: float) -> RouteRequest:
+        route = super()._route_request(rid, spec, prompt, sent)
         self._routes[rid] = route  # asked again, moved off its prefill replica, when handed over
         return route
 

@@ -297,7 +297,7 @@ class Simulator:
         sent = planned if now <= planned + delay else now - delay
         prompt = request_prompt(self.config.seed, index, spec, self.config.vocab_size)
         try:
-            decision = self.router.route(self._route_request(rid, spec, prompt))
+            decision = self.router.route(self._route_request(rid, spec, prompt, sent))
             replica = self._by_id[decision.replica_id]
             replica.engine.add_request(
                 prompt,
@@ -336,13 +336,12 @@ class Simulator:
                 )
             self._decisions.append(decision)
 
-    def _route_request(self, rid: str, spec: WorkloadRequest, prompt: list[int]) -> RouteRequest:
-        """What the router is told, as a client sends it: lengths, session, and the prompt's
-        block hashes at the engine's block size."""
+    def _route_request(self, rid: str, spec: WorkloadRequest, prompt: list[int], sent: float) -> RouteRequest:
+        """What the router is told, as a client sends it: lengths, session, the prompt's block
+        hashes at the engine's block size, and when it was sent."""
         size = self.config.engine.block_size
-        return RouteRequest(
-            rid, spec.prompt_len, spec.output_len, spec.session_id, tuple(block_hashes(prompt, size)), size
-        )
+        hashes = tuple(block_hashes(prompt, size))
+        return RouteRequest(rid, spec.prompt_len, spec.output_len, spec.session_id, hashes, size, sent_at=sent)
 
     def _tell_arrivals_done(self) -> None:
         """Whether a request may come before a running one ends, as the cluster's driver tells

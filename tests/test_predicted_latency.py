@@ -263,6 +263,25 @@ def test_router_records_the_prediction_of_the_chosen_replica():
     assert Router(["a"], "least_loaded", clock).route(RouteRequest("y", 10, 4)).predicted_ttft is None
 
 
+def test_the_wait_before_the_router_is_added_to_the_prediction_not_learned_as_slowness():
+    """A request that reached the router 30 ms after its client sent it (`sent_at`) on a replica
+    that runs exactly as priced: its TTFT counts from the send, so the decision records the
+    walk's TTFT plus those 30 ms, and the replica's correction, learned from TTFTs that are the
+    walk's plus the wait, stays 1 (learned as a scale, the wait would make the replica look 1.5x
+    slow and every queue behind it 1.5x long)."""
+    clock = FakeClock()
+    router = Router(["a"], "predicted_latency", clock)
+    pricing = StepPricing(STEP, 256)
+    for i in range(40):
+        clock.advance(1.0)
+        router.report(_report("a", clock.now(), pricing))
+        decision = router.route(RouteRequest(f"q{i}", 100, 8, sent_at=clock.now() - 0.03))
+        assert decision.predicted_ttft == pytest.approx(decision.scores["a"] + 0.03)
+        router.report(_report("a", clock.now() + 0.5, pricing, ttft={f"q{i}": decision.predicted_ttft}, running=1))
+        router.complete(f"q{i}", "a", output_len=8)
+    assert router.policy.latency.correction("a") == pytest.approx(1.0)
+
+
 def test_predicted_latency_avoids_the_slow_replica_under_load():
     """Two replicas, one four times slower: under load predicted_latency sends the slow one far
     fewer requests than least_loaded (which counts requests) and gets lower TTFT p90."""
