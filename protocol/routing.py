@@ -28,6 +28,11 @@ class RouteRequest:
     moved_from: str | None = None
     sent_at: float | None = None
 
+    def waited(self, now: float) -> float:
+        """Seconds from the client's send to `now` on the router's clock (0 when not told; never
+        below 0, should the two clocks disagree)."""
+        return 0.0 if self.sent_at is None else max(0.0, now - self.sent_at)
+
 
 @dataclass(frozen=True)
 class RouterView:

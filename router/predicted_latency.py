@@ -196,7 +196,6 @@ class LatencyModel:
         """The request went to `replica_id` after `scores`: it joins that replica's queue."""
         raw, cached = self._last.get(replica_id, (None, 0))
         self.completed(request.request_id)  # a moved request leaves its old queue
-        waited = 0.0 if request.sent_at is None else max(0.0, now - request.sent_at)
         placed = _Placed(
             replica_id,
             now,
@@ -206,7 +205,7 @@ class LatencyModel:
             expected_output,
             math.nan if raw is None else raw.ttft,
             math.nan if raw is None else raw.tpot,
-            waited,
+            request.waited(now),
         )
         self._placed[request.request_id] = placed
         self._by_replica.setdefault(replica_id, {})[request.request_id] = placed

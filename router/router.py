@@ -108,7 +108,7 @@ class Router:
             scores={v.replica_id: s for v, s in zip(views, scores)},
             signal_age=max(ages) if ages else None,
             in_flight={v.replica_id: v.in_flight for v in views},
-            predicted_ttft=_from_send(policy.predicted_ttft(views[index].replica_id), request, now),
+            predicted_ttft=_from_send(policy.predicted_ttft(views[index].replica_id), request.waited(now)),
             believed_cached=policy.believed_cached(request, views[index].replica_id),
         )
         self.load.dispatched(decision.replica_id, request.request_id)
@@ -257,9 +257,7 @@ def _check_tpot_slo(tpot_slo: float) -> None:
         raise RoutingError(f"tpot_slo must be a positive number of seconds per output token; got {tpot_slo}")
 
 
-def _from_send(predicted: float | None, request: RouteRequest, now: float) -> float | None:
+def _from_send(predicted: float | None, waited: float) -> float | None:
     """A policy's predicted TTFT (from its decision) plus what the request waited before the
-    router saw it, where the client said when it sent it."""
-    if predicted is None or request.sent_at is None:
-        return predicted
-    return predicted + max(0.0, now - request.sent_at)
+    router saw it (`RouteRequest.waited`): the TTFT as the client measures it."""
+    return None if predicted is None else predicted + waited
