@@ -1,7 +1,6 @@
 """The autoscaling simulator at cluster scale: a day of time-varying traffic (`--day-s` seconds
-of trace time, 86,400: a real day) replayed through `sim.autoscaling.AutoscalingSimulator` with
-the `predictive` policy between 1 and `--max-replicas` (256) replicas, at a rate whose midday
-peak needs them all.
+of trace time, 86,400: a real day) through 1 to `--max-replicas` (256) replicas under the
+`predictive` policy, at a rate whose midday peak needs them all.
 
 The traffic is a synthetic day (`workloads.diurnal`): a cosine from the trough at midnight to a
 midday peak `--peak-to-trough` (4) times higher, plus `--bursts` bursts (6 a day, each 1/720 of
@@ -12,20 +11,21 @@ a burst near it is capped there. Replicas are those of `benchmarks.autoscaling_c
 (8 slots, chunked batching) priced by the shipped fitted cost model at its own speed (SmolLM2
 on CPU; `--speedup` runs it faster), with a `--cold-start` (10 s), a decision each second and a
 30 s cooldown; the policy reads a 60 s window and forecasts 15 s ahead, or one cold start if longer.
-The run keeps every request's trace but no step records, routing decisions or output tokens
-(`keep_records=False`), so its memory grows with the requests alone, by their traces.
 
-Prints the offered traffic, then the simulation's wall time and requests simulated per wall
-second, the most replicas at once, replica-seconds, SLO attainment (TTFT <= 10 s, TPOT <= 2 s:
-the comparison's limits at the cost model's own speed), scale events, the process's peak memory
-(max RSS), the CPU model, and the total wall time against the 5-minute target; for a shorter
-day, the full day's requests, time and memory extrapolated from it (a compressed day has a full
-day's rate and replicas, so its cost per trace second is a full day's; its memory past what the
-imports took is counted as growing with its requests, so the memory estimate is an upper bound).
+A day runs through the slot-queue model of a replica (`sim.slot_queue`: a queue in front of its
+slots, each request priced once), its traffic drawn at once as arrays (`DiurnalDay.columns`).
+Prints the offered traffic, the run's wall time and requests per wall second, the most replicas
+at once, replica-seconds, SLO attainment (TTFT <= 10 s, TPOT <= 2 s: the comparison's limits at
+the cost model's own speed), TTFT percentiles, scale events, the process's peak memory (max
+RSS), the CPU model, and the total wall time against the 5-minute target; for a shorter day,
+the full day's time and memory extrapolated from it.
+
+`--check` runs one day (`DiurnalDay.build`'s draws) through both models of a replica, the step
+simulator's engines (`sim.autoscaling.AutoscalingSimulator`, keeping no step records) and the
+slot queues, and prints both and their ratio: how far the coarser model moves the figures.
 
     .venv/bin/python -m benchmarks.autoscaling_scale                      # a full day, 256 replicas
-    .venv/bin/python -m benchmarks.autoscaling_scale --day-s 300          # a 5-minute compressed day
-    .venv/bin/python -m benchmarks.autoscaling_scale --router             # the router's decisions alone
+    .venv/bin/python -m benchmarks.autoscaling_scale --day-s 300 --check  # a 5-minute day, both models
 
 `--router` measures instead the router's cost per decision as the replicas grow: route and
 complete in a loop on the pure `Router` (virtual clock) over 16, 64 and 256 replicas, each with
@@ -42,6 +42,8 @@ import resource
 import time
 from pathlib import Path
 
+import numpy as np
+
 from autoscaling.policies import AutoscaleConfig
 from metrics.definitions import SLO
 from protocol.clock import FakeClock
@@ -50,9 +52,10 @@ from protocol.routing import RouteRequest
 from replica.config import EngineConfig
 from replica.kernels.cpu import cpu_info
 from router.router import Router
-from sim.autoscaling import AutoscalingSimulator
+from sim.autoscaling import AutoscalingSimulator, ScalingRecord
 from sim.cost_model import FittedCostModel
 from sim.simulator import SimulationConfig, measure_capacity
+from sim.slot_queue import SlotQueueCluster
 from workloads.diurnal import DiurnalArrivals, DiurnalDay
 
 COST_MODEL = Path(__file__).resolve().parent.parent / "workloads" / "experiments" / "cost_model.json"
@@ -75,6 +78,9 @@ def main() -> None:
     parser.add_argument("--cold-start", type=float, default=10.0, help="seconds from a replica asked for to serving")
     parser.add_argument("--speedup", type=float, default=1.0, help="the cost model run this many times faster")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--check", action="store_true", help="run the day through both replica models, engine steps and slot queues"
+    )
     parser.add_argument("--router", action="store_true", help="measure the router's decisions alone (see above)")
     parser.add_argument("--decisions", type=int, default=20_000, help="with --router: decisions per measurement")
     args = parser.parse_args()
@@ -85,6 +91,53 @@ def main() -> None:
     imported_rss = max_rss_mib()
     cost = FittedCostModel.load(COST_MODEL).scaled(1 / args.speedup)
     capacity = measure_capacity(SimulationConfig(num_replicas=1, engine=ENGINE), cost)
+    day, peak_rate, mean_work = sized_day(args, capacity)
+    autoscale = AutoscaleConfig(policy="predictive", params=PARAMS, max_replicas=args.max_replicas, **BOUNDS)
+    config = SimulationConfig(num_replicas=1, engine=ENGINE)
+    slo = SLO(ttft=10.0, tpot=2.0)
+    if args.check:
+        workload = day.build()
+        print(describe(workload.describe(), len(workload.requests), args.day_s, peak_rate, capacity, mean_work))
+        sim = AutoscalingSimulator(workload, config, autoscale, cost, capacity, args.cold_start, keep_records=False)
+        timed = time.perf_counter()
+        engines = sim.simulate()
+        timed = time.perf_counter() - timed
+        traces = engines.simulation.traces
+        attainment = sum(1 for t in traces if slo.met_by(t)) / len(traces)
+        ttft = np.array([t.ttft for t in traces if t.ttft is not None])
+        print_run("engine steps", timed, len(traces), engines, attainment, slo, ttft)
+        timed = time.perf_counter()
+        queues = SlotQueueCluster(workload.columns(), config, autoscale, cost, capacity, args.cold_start).run()
+        timed = time.perf_counter() - timed
+        print_run("slot queues", timed, len(traces), queues, queues.slo_attainment(slo), slo, queues.ttft)
+        ratio = queues.replica_seconds / engines.replica_seconds
+        print(
+            f"slot queues against engine steps: replica-seconds {ratio:.3f}x, "
+            f"SLO attainment {100 * (queues.slo_attainment(slo) - attainment):+.2f} points"
+        )
+        return
+    requests = day.columns()
+    print(describe(f"{day.name} (seed {args.seed})", len(requests), args.day_s, peak_rate, capacity, mean_work))
+    simulated = time.perf_counter()
+    run = SlotQueueCluster(requests, config, autoscale, cost, capacity, args.cold_start).run()
+    simulated = time.perf_counter() - simulated
+    print_run("slot queues", simulated, len(requests), run, run.slo_attainment(slo), slo, run.ttft)
+    peak_rss = max_rss_mib()
+    total = time.perf_counter() - started
+    print(f"peak memory (max RSS) {peak_rss:.0f} MiB; CPU {cpu_info().describe()}")
+    if args.day_s >= DAY_S:
+        print(f"total {total:.0f} s (target: under 300 s): {'MET' if total < 300 else 'MISSED'}")
+    else:  # the traffic and the replicas per trace second are a full day's: the cost grows with its length
+        scale = DAY_S / args.day_s
+        memory = imported_rss + (peak_rss - imported_rss) * scale
+        print(
+            f"total {total:.0f} s; a {DAY_S:,.0f} s day at this rate: about {len(requests) * scale:,.0f} requests "
+            f"in {simulated * scale:.0f} s (target: under 300 s), max RSS about {memory / 2**10:.1f} GiB"
+        )
+
+
+def sized_day(args: argparse.Namespace, capacity) -> tuple[DiurnalDay, float, float]:
+    """The day at the rate whose midday needs `--max-replicas` (see the module docstring)."""
     day = DiurnalDay(
         arrivals=DiurnalArrivals(
             rate=1.0,
@@ -102,51 +155,29 @@ def main() -> None:
     peak_rate = args.max_replicas / (1 + PARAMS["headroom"]) / mean_work
     ratio = args.peak_to_trough  # the curve's mean rate is (trough + peak) / 2
     day = day.replace(arrivals=day.arrivals.replace(rate=peak_rate * (1 + ratio) / (2 * ratio)))
-    workload = day.build()
-    print(
-        f"{workload.describe()}: {len(workload.requests) / args.day_s:.1f} req/s over a {args.day_s:g} s day, "
+    return day, peak_rate, mean_work
+
+
+def describe(what: str, requests: int, day_s: float, peak_rate: float, capacity, mean_work: float) -> str:
+    return (
+        f"{what}: {requests} requests, {requests / day_s:.1f} req/s over a {day_s:g} s day, "
         f"midday {peak_rate:.1f} req/s; one replica {capacity.decode_tokens_per_s:.1f} decode / "
-        f"{capacity.prefill_tokens_per_s:.1f} prefill tok/s ({mean_work:.3f} s of work a request)",
-        flush=True,
+        f"{capacity.prefill_tokens_per_s:.1f} prefill tok/s ({mean_work:.3f} s of work a request)"
     )
-    autoscale = AutoscaleConfig(policy="predictive", params=PARAMS, max_replicas=args.max_replicas, **BOUNDS)
-    sim = AutoscalingSimulator(
-        workload,
-        SimulationConfig(num_replicas=1, engine=ENGINE),
-        autoscale,
-        cost,
-        capacity,
-        args.cold_start,
-        keep_records=False,
-    )
-    simulated = time.perf_counter()
-    run = sim.simulate()
-    simulated = time.perf_counter() - simulated
-    traces = run.simulation.traces
-    slo = SLO(ttft=10.0, tpot=2.0)
-    attainment = sum(1 for t in traces if slo.met_by(t)) / len(traces)
-    steps = sum(run.simulation.step_counts.values())
-    peak_rss = max_rss_mib()
+
+
+def print_run(
+    model: str, seconds: float, requests: int, run: ScalingRecord, attainment: float, slo: SLO, ttft: np.ndarray
+) -> None:
+    p50, p90, p99 = np.nanpercentile(ttft, [50, 90, 99])
     print(
-        f"simulated {len(traces)} requests and {steps} engine steps in {simulated:.1f} s: "
-        f"{len(traces) / simulated:.0f} requests/s, {steps / simulated:.0f} steps/s"
-    )
-    print(
+        f"{model}: {requests} requests in {seconds:.1f} s ({requests / seconds:,.0f} requests/s); "
         f"peak replicas {run.peak_replicas}, replica-seconds {run.replica_seconds:.0f} "
         f"(mean {run.mean_replicas:.1f} replicas), SLO attainment {attainment:.4f} "
-        f"(TTFT <= {slo.ttft:g} s, TPOT <= {slo.tpot:g} s), scale events {run.scale_events}"
+        f"(TTFT <= {slo.ttft:g} s, TPOT <= {slo.tpot:g} s), TTFT p50/p90/p99 {p50:.3f}/{p90:.3f}/{p99:.3f} s, "
+        f"scale events {run.scale_events}",
+        flush=True,
     )
-    total = time.perf_counter() - started
-    print(f"peak memory (max RSS) {peak_rss:.0f} MiB; CPU {cpu_info().describe()}")
-    if args.day_s >= DAY_S:
-        print(f"total {total:.0f} s (target: under 300 s): {'MET' if total < 300 else 'MISSED'}")
-    else:  # the traffic and the replicas per trace second are a full day's: the cost grows with its length
-        scale = DAY_S / args.day_s
-        memory = imported_rss + (peak_rss - imported_rss) * scale
-        print(
-            f"total {total:.0f} s; a {DAY_S:,.0f} s day at this rate: about {len(traces) * scale:,.0f} requests "
-            f"in {simulated * scale:.0f} s (target: under 300 s), max RSS about {memory / 2**10:.1f} GiB"
-        )
 
 
 def print_router_rates(decisions: int, seed: int) -> None:

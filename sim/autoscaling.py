@@ -54,8 +54,10 @@ class ReplicaSpan:
 
 
 @dataclass
-class AutoscalingResult:
-    simulation: SimulationResult
+class ScalingRecord:
+    """What an autoscaled run did with its replicas, whichever model of a replica ran it (this
+    module's engines, or `sim.slot_queue`'s queues for days on hundreds of replicas)."""
+
     autoscale: AutoscaleConfig
     cold_start_s: float
     decisions: list[ScalingDecision]
@@ -84,6 +86,11 @@ class AutoscalingResult:
             alive += step
             peak = max(peak, alive)
         return peak
+
+
+@dataclass
+class AutoscalingResult(ScalingRecord):
+    simulation: SimulationResult
 
 
 @dataclass
@@ -234,7 +241,7 @@ class AutoscalingSimulator(Simulator):
             if span.ended is None:
                 span.ended = end
         return AutoscalingResult(
-            result, self.autoscale, self.cold_start_s, self.scaling_decisions, list(self.spans.values()), end
+            self.autoscale, self.cold_start_s, self.scaling_decisions, list(self.spans.values()), end, result
         )
 
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 from pydantic import Field, PositiveFloat
 
 from workloads.arrivals import DiurnalArrivals
 from workloads.lengths import LengthDist, LognormalLength, UniformLength
-from workloads.workload import SpecModel, Workload, WorkloadRequest
+from workloads.workload import SpecModel, Workload, WorkloadColumns, WorkloadRequest
 
 
 class DiurnalDay(SpecModel):
@@ -48,3 +49,11 @@ class DiurnalDay(SpecModel):
             requests.append(WorkloadRequest(t, self.prompt_len.sample(rng), output))
         params = {**self.model_dump(mode="json"), "mean_rate_requests_per_s": self.arrivals.mean_rate}
         return Workload(self.name, self.seed, requests, params)
+
+    def columns(self) -> WorkloadColumns:
+        """The same traffic drawn at once as arrays (the same distributions, not `build`'s
+        draws): a day of millions of requests for `sim.slot_queue`, seeded by `seed` alone."""
+        rng = np.random.default_rng([self.seed, 1])
+        times = self.arrivals.times_array(self.days * self.arrivals.day_s, rng)
+        n = times.size
+        return WorkloadColumns(times, self.prompt_len.sample_array(n, rng), self.output_len.sample_array(n, rng))

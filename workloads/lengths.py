@@ -1,6 +1,8 @@
 """Length distributions for prompts and outputs, as serialisable specs (a `kind` field tells
 them apart). Each draws one integer length >= 1 from the RNG it is given; the workload spec
-decides which RNG and in what order, so the draws are reproducible."""
+decides which RNG and in what order, so the draws are reproducible. `sample_array` draws `n`
+at once from a numpy generator (the same distribution, not the same draws): for workloads of
+millions, such as a day on hundreds of replicas."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import math
 import random
 from typing import Annotated, Literal
 
+import numpy as np
 from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
 
 from workloads.workload import SpecModel
@@ -21,6 +24,9 @@ class FixedLength(SpecModel):
 
     def sample(self, rng: random.Random) -> int:
         return self.value
+
+    def sample_array(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        return np.full(n, self.value, dtype=np.int64)
 
 
 class UniformLength(SpecModel):
@@ -38,6 +44,9 @@ class UniformLength(SpecModel):
 
     def sample(self, rng: random.Random) -> int:
         return rng.randint(self.low, self.high)
+
+    def sample_array(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        return rng.integers(self.low, self.high, size=n, endpoint=True)
 
 
 class LognormalLength(SpecModel):
@@ -58,6 +67,10 @@ class LognormalLength(SpecModel):
 
     def sample(self, rng: random.Random) -> int:
         return int(min(self.high, max(self.low, round(self.median * math.exp(self.sigma * rng.gauss(0.0, 1.0))))))
+
+    def sample_array(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        drawn = np.rint(self.median * np.exp(self.sigma * rng.standard_normal(n)))
+        return np.clip(drawn, self.low, self.high).astype(np.int64)
 
 
 class MixtureLength(SpecModel):
@@ -81,6 +94,15 @@ class MixtureLength(SpecModel):
             if u < cumulative:
                 return dist.sample(rng)
         return self.components[-1][1].sample(rng)
+
+    def sample_array(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        weights = np.array([w for w, _ in self.components], dtype=float)
+        picks = rng.choice(len(weights), size=n, p=weights / weights.sum())
+        out = np.empty(n, dtype=np.int64)
+        for i, (_, dist) in enumerate(self.components):
+            chosen = picks == i
+            out[chosen] = dist.sample_array(int(chosen.sum()), rng)
+        return out
 
 
 LengthDist = Annotated[FixedLength | UniformLength | LognormalLength | MixtureLength, Field(discriminator="kind")]

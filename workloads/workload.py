@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Self
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 
@@ -46,6 +47,19 @@ class ClosedLoop:
 
 
 @dataclass(frozen=True)
+class WorkloadColumns:
+    """Requests as arrays, in arrival order: what a model of millions of requests reads
+    (`sim.slot_queue`) where a list of `WorkloadRequest`s would not fit its time or memory."""
+
+    arrival: np.ndarray
+    prompt_len: np.ndarray
+    output_len: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.arrival.size)
+
+
+@dataclass(frozen=True)
 class Workload:
     name: str
     seed: int
@@ -53,6 +67,13 @@ class Workload:
     params: dict = field(default_factory=dict)  # the generator's arguments, for the record
     spec: dict | None = None  # the JSON dump of the spec that built it: validate and build it to replay exactly
     closed_loop: ClosedLoop | None = None
+
+    def columns(self) -> WorkloadColumns:
+        return WorkloadColumns(
+            np.array([r.arrival for r in self.requests], dtype=float),
+            np.array([r.prompt_len for r in self.requests], dtype=np.int64),
+            np.array([r.output_len for r in self.requests], dtype=np.int64),
+        )
 
     @property
     def output_lens(self) -> list[int]:
