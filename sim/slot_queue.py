@@ -47,7 +47,7 @@ from protocol import defaults
 from protocol.clock import FakeClock
 from protocol.cost import LinearCostModel
 from protocol.messages import LoadReport
-from protocol.scaling import ArrivalWindow, ScalingObservation
+from protocol.scaling import ArrivalWindow, ScalingDecision, ScalingObservation
 from replica.errors import ConfigError
 from sim.autoscaling import ReplicaSpan, ScalingRecord
 from sim.simulator import SimulationConfig, _advance
@@ -143,7 +143,7 @@ class _Run:
         self.done: list[tuple[float, int]] = []  # (finish, replica) of the requests in flight
         self.starting: list[int] = []
         self.draining: dict[int, float] = {}  # replica -> when its last request finishes
-        self.decisions = []
+        self.decisions: list[ScalingDecision] = []
         self.window = [0.0, 0, 0, 0]  # start, requests, prompt tokens, output tokens since the last decision
         self.measured_cold_start = False
         first = float(cluster.requests.arrival[0])
@@ -274,8 +274,9 @@ class _Run:
             replica_of.append(index)
             ttfts.append(first - t)
             tpots.append(step if output > 1 else nan)
-        end = max([float(c.requests.arrival[-1]), *(max(s) for s in slots)])
-        self._decide_tail(end)
+        end = max([float(c.requests.arrival[-1]), *(max(s) for s in slots if s)])
+        for index, finished in self.draining.items():  # drains end as their last requests do
+            self.spans[index].ended = finished
         for span in self.spans:
             if span.ended is None:
                 span.ended = end
@@ -289,9 +290,3 @@ class _Run:
             np.frombuffer(ttfts),
             np.frombuffer(tpots),
         )
-
-    def _decide_tail(self, end: float) -> None:
-        """Drains end as their last requests do, past the last arrival too."""
-        for index, finished in self.draining.items():
-            self.spans[index].ended = min(finished, end)
-        self.draining.clear()

@@ -133,3 +133,20 @@ def test_a_days_array_draws_follow_the_same_curve_and_lengths():
     assert lognormal.min() >= 2 and lognormal.max() <= 64 and np.median(lognormal) == 12
     mixed = MixtureLength(components=((3, UniformLength(low=1, high=1)), (1, UniformLength(low=9, high=9))))
     assert (mixed.sample_array(40_000, rng) == 9).mean() == pytest.approx(0.25, abs=0.01)
+
+
+def test_a_replica_cancelled_while_starting_takes_nothing_and_counts_until_cancelled():
+    # 30 two-token requests at once on one 1-slot replica: 6 s of work; replicas asked for at
+    # 1 s start for 20 s, and are cancelled when the queue has run down
+    autoscale = AutoscaleConfig(
+        policy="target_ongoing",
+        min_replicas=1,
+        max_replicas=4,
+        cooldown_s=0.0,
+        params={"target_ongoing_requests": 4, "upscale_delay_s": 0, "downscale_delay_s": 0, "look_back_s": 1},
+    )
+    requests = columns(*[(0.0, 10, 2)] * 30, (12.0, 10, 2))
+    run = SlotQueueCluster(requests, config(1, 1), autoscale, STEP, cold_start_s=20.0).run()
+    cancelled = [s for s in run.spans if s.ready is None]
+    assert cancelled and all(s.ended < s.requested + 20.0 for s in cancelled)
+    assert set(run.replica.tolist()) == {0}
