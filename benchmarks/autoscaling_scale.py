@@ -90,10 +90,10 @@ def main() -> None:
     started = time.perf_counter()
     imported_rss = max_rss_mib()
     cost = FittedCostModel.load(COST_MODEL).scaled(1 / args.speedup)
-    capacity = measure_capacity(SimulationConfig(num_replicas=1, engine=ENGINE), cost)
+    config = SimulationConfig(num_replicas=1, engine=ENGINE)
+    capacity = measure_capacity(config, cost)
     day, peak_rate, mean_work = sized_day(args, capacity)
     autoscale = AutoscaleConfig(policy="predictive", params=PARAMS, max_replicas=args.max_replicas, **BOUNDS)
-    config = SimulationConfig(num_replicas=1, engine=ENGINE)
     slo = SLO(ttft=10.0, tpot=2.0)
     if args.check:
         workload = day.build()

@@ -148,12 +148,12 @@ class _Run:
         self.measured_cold_start = False
         first = float(cluster.requests.arrival[0])
         for _ in range(cluster.config.num_replicas):
-            self._attach(self._new_replica(first, ready=first), first)
+            self._attach(self._new_replica(first), first)
 
     # ---- replicas ------------------------------------------------------------------------
-    def _new_replica(self, requested: float, ready: float | None = None) -> int:
+    def _new_replica(self, requested: float) -> int:
         index = len(self.spans)
-        self.spans.append(ReplicaSpan(f"r{index}", requested, ready))
+        self.spans.append(ReplicaSpan(f"r{index}", requested))
         self.slots.append([])
         self.ongoing.append(0)
         return index
@@ -173,8 +173,12 @@ class _Run:
         if by < 0:
             self.fewest = min(self.fewest, count + by)
         else:
-            while not self.by_count[self.fewest]:
-                self.fewest += 1
+            self._raise_fewest()
+
+    def _raise_fewest(self) -> None:
+        """Past the counts no serving replica is at (the last count if none serves)."""
+        while self.fewest < len(self.by_count) - 1 and not self.by_count[self.fewest]:
+            self.fewest += 1
 
     def _finish_until(self, now: float) -> None:
         done, ongoing = self.done, self.ongoing
@@ -209,10 +213,10 @@ class _Run:
         reports = []
         for count, replicas in enumerate(self.by_count):
             running = min(count, s)
+            free = s - running
             for index in replicas:
-                reports.append(
-                    LoadReport(f"r{index}", count - running, running, s - running, s, (s - running) * max_seq, now)
-                )
+                rid = self.spans[index].replica_id
+                reports.append(LoadReport(rid, count - running, running, free, s, free * max_seq, now))
         start, requests, prompt, output = self.window
         self.window[:] = [now, 0, 0, 0]
         cold = self.c.cold_start_s if self.measured_cold_start else 0.0
@@ -228,8 +232,7 @@ class _Run:
             del self.by_count[self.ongoing[index]][index]
             self.draining[index] = max(now, max(self.slots[index]))
             self.spans[index].drain_started = now
-        while self.fewest < len(self.by_count) - 1 and not self.by_count[self.fewest]:
-            self.fewest += 1
+        self._raise_fewest()
 
     # ---- the arrivals --------------------------------------------------------------------
     def result(self) -> SlotQueueResult:

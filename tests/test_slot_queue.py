@@ -38,6 +38,17 @@ def fixed(replicas: int) -> AutoscaleConfig:
     return AutoscaleConfig(policy="target_ongoing", min_replicas=replicas, max_replicas=replicas)
 
 
+def eager() -> AutoscaleConfig:
+    """Up to 4 replicas, 4 ongoing requests each, acting on every wish at once (no delays, no cooldown)."""
+    return AutoscaleConfig(
+        policy="target_ongoing",
+        min_replicas=1,
+        max_replicas=4,
+        cooldown_s=0.0,
+        params={"target_ongoing_requests": 4, "upscale_delay_s": 0, "downscale_delay_s": 0, "look_back_s": 1},
+    )
+
+
 def config(replicas: int, slots: int, policy: str = "continuous") -> SimulationConfig:
     return SimulationConfig(num_replicas=replicas, engine=EngineConfig(policy=policy, num_slots=slots))
 
@@ -68,14 +79,7 @@ def test_a_prompt_longer_than_a_slot_is_refused_and_judged_unmet():
 
 def test_a_replica_asked_for_takes_traffic_only_after_its_cold_start_and_a_drained_one_none():
     requests = columns(*[(i * 0.05, 10, 40) for i in range(400)])  # 20 s of 20 req/s on 4-slot replicas
-    autoscale = AutoscaleConfig(
-        policy="target_ongoing",
-        min_replicas=1,
-        max_replicas=4,
-        cooldown_s=0.0,
-        params={"target_ongoing_requests": 4, "upscale_delay_s": 0, "downscale_delay_s": 0, "look_back_s": 1},
-    )
-    run = SlotQueueCluster(requests, config(1, 4), autoscale, STEP, cold_start_s=3.0).run()
+    run = SlotQueueCluster(requests, config(1, 4), eager(), STEP, cold_start_s=3.0).run()
     assert len(run.spans) > 1, "the queue should have grown the cluster"
     for span in run.spans[1:]:
         routed = requests.arrival[run.replica == int(span.replica_id[1:])]
@@ -138,15 +142,8 @@ def test_a_days_array_draws_follow_the_same_curve_and_lengths():
 def test_a_replica_cancelled_while_starting_takes_nothing_and_counts_until_cancelled():
     # 30 two-token requests at once on one 1-slot replica: 6 s of work; replicas asked for at
     # 1 s start for 20 s, and are cancelled when the queue has run down
-    autoscale = AutoscaleConfig(
-        policy="target_ongoing",
-        min_replicas=1,
-        max_replicas=4,
-        cooldown_s=0.0,
-        params={"target_ongoing_requests": 4, "upscale_delay_s": 0, "downscale_delay_s": 0, "look_back_s": 1},
-    )
     requests = columns(*[(0.0, 10, 2)] * 30, (12.0, 10, 2))
-    run = SlotQueueCluster(requests, config(1, 1), autoscale, STEP, cold_start_s=20.0).run()
+    run = SlotQueueCluster(requests, config(1, 1), eager(), STEP, cold_start_s=20.0).run()
     cancelled = [s for s in run.spans if s.ready is None]
     assert cancelled and all(s.ended < s.requested + 20.0 for s in cancelled)
     assert set(run.replica.tolist()) == {0}

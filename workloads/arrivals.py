@@ -157,10 +157,14 @@ class DiurnalArrivals(_Process):
         peak = self.trough * self.peak_to_trough
         return self.trough + (peak - self.trough) * (1 - np.cos(2 * math.pi * t / self.day_s)) / 2
 
+    @property
+    def burst_window(self) -> float:
+        """A burst begins uniformly within this many seconds of its day's start (it ends inside the day)."""
+        return max(0.0, self.day_s - self.burst_s)
+
     def burst_starts(self, day: int, rng: random.Random) -> list[float]:
         """Where day `day`'s bursts begin, drawn from `rng` (called once per day, in order)."""
-        span = max(0.0, self.day_s - self.burst_s)
-        return sorted(day * self.day_s + rng.uniform(0, span) for _ in range(self.bursts))
+        return sorted(day * self.day_s + rng.uniform(0, self.burst_window) for _ in range(self.bursts))
 
     def arrivals(self, rng: random.Random) -> Iterator[float]:
         """Arrival times, in order, for ever."""
@@ -186,9 +190,8 @@ class DiurnalArrivals(_Process):
         top = self.trough * self.peak_to_trough * self.burst_factor
         t = np.sort(rng.uniform(0.0, end, rng.poisson(top * end)))
         rate = self.curve(t)
-        span = max(0.0, self.day_s - self.burst_s)
         for day in range(math.ceil(end / self.day_s)):
-            for start in day * self.day_s + rng.uniform(0.0, span, self.bursts):
+            for start in day * self.day_s + rng.uniform(0.0, self.burst_window, self.bursts):
                 rate[(t >= start) & (t < start + self.burst_s)] *= self.burst_factor
         return t[rng.random(t.size) * top < rate]
 
