@@ -245,13 +245,14 @@ def _leftovers() -> dict[str, object]:
 
 
 def start_cluster(spec: ClusterSpec, detached: bool = False, ready_timeout: float = READY_TIMEOUT) -> Deployment:
-    """Start the store, the replicas and the router, and return once the router routes to every
-    replica (each has passed its first health check; the router holds a replica `starting`
-    until then), so a request sent the moment this returns is not refused for want of one up. A
-    replica not up within `ready_timeout` seconds stops the cluster with an error naming it.
-    If a router is already up this is an error; if only its leftovers are (the router died for
-    good), they are recovered: the store and each live replica with this spec's config are
-    kept, the rest started anew."""
+    """Start the store, the replicas and the router (and the autoscaling controller), and return
+    once the router routes to every replica (each has passed its first health check; the router
+    holds a replica `starting` until then) and the controller answers, so a request sent the
+    moment this returns is not refused for want of one up, and the controller's delays count
+    from about then. A replica not up within `ready_timeout` seconds stops the cluster with an
+    error naming it. If a router is already up this is an error; if only its leftovers are (the
+    router died for good), they are recovered: the store and each live replica with this
+    spec's config are kept, the rest started anew."""
     lifetime = {"lifetime": "detached"} if detached else {}
     leftovers = _leftovers()
     if ROUTER_ACTOR_NAME in leftovers:
@@ -324,6 +325,11 @@ def start_cluster(spec: ClusterSpec, detached: bool = False, ready_timeout: floa
             STORE_ACTOR_NAME,
             REPLICA_PREFIX,
         )
+        try:  # up once it answers: its decisions start with its first period, not minutes later
+            ray.get(owned[AUTOSCALER_ACTOR_NAME].status.remote(), timeout=ready_timeout)
+        except ray.exceptions.RayError as err:
+            stop_cluster(drain_timeout=0)
+            raise ClusterError(f"the autoscaling controller failed to start: {err}") from None
     if not detached:
         _owned.clear()
         _owned.update(owned)
