@@ -38,8 +38,8 @@ run: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	# Two workers: the cluster tests, one after another on one of them, mostly wait on Ray; the
-	# other worker runs the tests that need no cluster meanwhile (tests/conftest.py).
+	# Two workers, each running one of the two units of cluster tests (tests/conftest.py), which
+	# mostly wait on Ray, and between them the tests that need no cluster.
 	$(PY) -m pytest -q -n 2
 	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 

@@ -22,8 +22,8 @@ TINY_VOCAB = 49152  # the default model's tokenizer, shipped with every tiny mod
 # is waiting on Ray (actor starts, health checks, drains), so the tests that need no cluster run
 # on the other worker meanwhile. The modules named here start no Ray instance, server or cluster
 # subprocess; every other module's tests are one unit of work that a single worker runs in file
-# order, so no two clusters (nor a cluster and a server) ever run at once and module-scoped
-# clusters are started once. A new module joins that unit until it is named here.
+# order, so module-scoped clusters are started once. A new module joins the first such unit until
+# it is named here or in SECOND_CLUSTER_UNIT.
 RUNS_BESIDE_CLUSTERS = frozenset(
     {
         "test_architecture",
@@ -52,6 +52,7 @@ RUNS_BESIDE_CLUSTERS = frozenset(
         "test_sim_records",
         "test_simulator",
         "test_slot_efficiency",
+        "test_slot_queue",
         "test_slotserve_package",
         "test_store_backlog",
         "test_traces",
@@ -60,8 +61,22 @@ RUNS_BESIDE_CLUSTERS = frozenset(
 )
 
 
-def _runs_beside_clusters(nodeid: str) -> bool:
-    return Path(nodeid.split("::", 1)[0]).stem in RUNS_BESIDE_CLUSTERS
+# The cluster modules whose tests start only in-process local Ray instances
+# (`ray.init(address="local")`): no `ray start` and no `ray.cluster_utils.Cluster` (each writes the
+# address file that `address="auto"` reads), no server on a fixed port, Ray Serve without its HTTP
+# proxy. They are a second unit, on the other worker, so at most two clusters run at once and
+# never two of the first unit's, which do start those; one unit alone would be the suite's length.
+SECOND_CLUSTER_UNIT = frozenset(
+    {"test_autoscaling_cluster", "test_disaggregation_cluster", "test_reliability_model", "test_routing_cluster"}
+)
+
+
+def _unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: itself, or one of the two cluster units."""
+    module = Path(nodeid.split("::", 1)[0]).stem
+    if module in RUNS_BESIDE_CLUSTERS:
+        return nodeid
+    return "clusters-b" if module in SECOND_CLUSTER_UNIT else "clusters"
 
 
 # xdist's own `--dist loadgroup` would need an `xdist_group` mark on each test, but it carries the
@@ -72,14 +87,14 @@ def _runs_beside_clusters(nodeid: str) -> bool:
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     from xdist.scheduler import LoadScopeScheduling
 
-    class ClustersOnOneWorker(LoadScopeScheduling):
-        """Every test beside the clusters is a unit of its own; the cluster tests, one unit
-        (the largest, so it is handed out first)."""
+    class ClusterUnits(LoadScopeScheduling):
+        """Every test beside the clusters is a unit of its own; the cluster tests, two units (the
+        largest, so they are handed out first, one to each worker)."""
 
         def _split_scope(self, nodeid: str) -> str:
-            return nodeid if _runs_beside_clusters(nodeid) else "clusters"
+            return _unit(nodeid)
 
-    return ClustersOnOneWorker(config, log)
+    return ClusterUnits(config, log)
 
 
 def _save_tiny(path, hf_model) -> str:

@@ -64,11 +64,12 @@ def test_load_scales_up_and_quiet_drains_to_min_losing_no_token(ray_local):
 def test_a_replica_drained_under_load_hands_its_requests_on_exactly(ray_local, tmp_path, capsys):
     """Two replicas, each running two long streams, and a policy that wants one from the start:
     after its downscale delay (past the streams' start) the controller drains one while its
-    requests run; what does not finish within the drain timeout resumes on the other replica
+    requests run (they take 18 s, the delay 8 s from the controller's start, which start_cluster
+    waits for); what does not finish within the drain timeout resumes on the other replica
     with no token lost or repeated, the decoding ones with their K/V.
     `slotserve status` then shows the replica left serving, the decision that drained and the
     requests moved with their K/V."""
-    autoscale = one_to_two(target_ongoing_requests=100, downscale_delay_s=6.0, look_back_s=0.5)
+    autoscale = one_to_two(target_ongoing_requests=100, downscale_delay_s=8.0, look_back_s=0.5)
     replica = ReplicaConfig(engine=EngineConfig(num_slots=4, max_seq_len=1024), fake_step_seconds=0.02)
     spec = ClusterSpec(
         num_replicas=2, replica=replica, store_path=str(tmp_path / "s.db"), health_period=0.25, autoscale=autoscale
@@ -79,11 +80,11 @@ def test_a_replica_drained_under_load_hands_its_requests_on_exactly(ray_local, t
 
         async def run():
             with Client() as client:
-                return await asyncio.gather(*[client.agenerate(p, max_tokens=600, ignore_eos=True) for p in prompts])
+                return await asyncio.gather(*[client.agenerate(p, max_tokens=900, ignore_eos=True) for p in prompts])
 
         results = asyncio.run(run())
         assert all(
-            r.token_ids == FAKE.continuation(p, 600) and r.finish_reason == "length" for p, r in zip(prompts, results)
+            r.token_ids == FAKE.continuation(p, 900) and r.finish_reason == "length" for p, r in zip(prompts, results)
         )
         moves = [m for r in results for m in r.migrations]
         assert moves and all(m.reason and m.to_replica != m.from_replica for m in moves)
