@@ -13,10 +13,11 @@ prefill is its prompt less the prefix the replica holds (the precise block index
 replica's K/V events, and the prompts in flight there: `PrecisePrefix.matched`; none on a
 replica that sends no K/V events, which has no prefix cache), as it was at dispatch; one whose
 first token the last load report shows is decoding, with the output still to come given what it
-has made: its expected output less what it made while that is ahead, else (it has outlived its
-estimate, as outputs with a heavy tail often do) the median of what the recent finished outputs
-that ran longer still had to go (`OutputResiduals`). Counting such a row one step from its end
-would show a full replica a slot about to free, and send it requests that wait for one. The
+has made, read off the recent finished outputs that ran longer (`OutputResiduals`): the decoding
+rows of a replica are spread over that distribution, so its first slot frees when the shortest
+of them is likely to end. A point estimate per row (expected output less what it made) misses
+both ways: a row that has outlived its estimate, as outputs with a heavy tail often do, looks a
+step from its end, and rows that each look long hide that one of them is likely to end soon. The
 walk starts at that report, so the steps since then count as past. Each step is priced by the
 replica's own cost model (`protocol.cost.StepPricing`, on its load reports), so replicas of
 different speeds are told apart from their first report; a real model reports the prices it
@@ -30,16 +31,20 @@ not foresee). A TTFT counts from the client's send; where the request says when 
 (`RouteRequest.sent_at`), what it waited before the router saw it is taken off the measured
 TTFT the correction learns from and added to the TTFT a decision records
 (`router.router._from_send`), so the correction scales only what the walk prices.
-The TPOT has its own, learned the same way from the decode its reports show: a
-request's time per token over its first `TPOT_STEPS` tokens after the first, read off two
-reports' `tokens_made`, against the TPOT predicted at its dispatch. The walk sees only the
-requests already routed, so it misses what decode pays for the prompts routed there while the
-request runs (each prefill chunk lengthens a step of every running row) and the serving loop's
-own time per step; a replica whose decode is near the TPOT limit (a slow one) passes the filter
-on the walk alone and then misses it. Until a replica has shown a TPOT, its TTFT correction
-stands in for both (a replica that reports no pricing is slower or faster as a whole). The
-predicted TTFT of the chosen replica is what the decision records (`Decision.predicted_ttft`),
-and reports compare it with the measured one (`metrics.goodput_report`: TTFT prediction MAPE).
+A request that found every slot held waited for one: how long is a guess at the lengths
+ahead of it, not a price, so that part of its prediction (`Prediction.slot_wait`) has its own
+correction, learned over every replica from such requests' measured TTFT less their priced
+prefill, and leaves the replica's own. The TPOT has its own, learned the same way from the
+decode its reports show: a request's time per token over its first `TPOT_STEPS` tokens after
+the first, read off two reports' `tokens_made`, against the TPOT predicted at its dispatch.
+The walk sees only the requests already routed, so it misses what decode pays for the prompts
+routed there while the request runs (each prefill chunk lengthens a step of every running
+row) and the serving loop's own time per step; a replica whose decode is near the TPOT limit
+(a slow one) passes the filter on the walk alone and then misses it. Until a replica has
+shown a TPOT, its TTFT correction stands in for both (a replica that reports no pricing is
+slower or faster as a whole). The predicted TTFT of the chosen replica is what the decision
+records (`Decision.predicted_ttft`), and reports compare it with the measured one
+(`metrics.goodput_report`: TTFT prediction MAPE).
 
 The walk is bounded (`MAX_WALK_STEPS`); past it the prediction is what it has reached, which
 already ranks that replica behind any that can serve sooner.
@@ -47,8 +52,8 @@ already ranks that replica behind any that can serve sooner.
 
 from __future__ import annotations
 
+import bisect
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -72,9 +77,14 @@ OUTPUT_WINDOW = 256  # finished outputs the residuals are read from
 
 
 class OutputResiduals:
-    """The output still to come of a request that has made `made` tokens, from the lengths of the
-    last `window` finished ones: the median of `length - made` over those longer than `made`
-    (`made` again when none was: it has run as long as the longest seen)."""
+    """The output still to come of the decoding rows of one replica, from the lengths of the last
+    `window` finished requests. A row that has made `made` tokens has ahead of it one of the
+    `length - made` of those longer than `made`; the rows are ranked by the median of theirs, and
+    the row of rank j of k is given the (j + 1/2) / k quantile of its own, so the rows together
+    spread as their lengths do: the first slot frees when the shortest of them ends, which is
+    sooner than the median of any one (`made` again for a row longer than all: it has run as
+    long as the longest seen). Before any has finished: the row's expected output less what it
+    made, else `made`."""
 
     def __init__(self, window: int = OUTPUT_WINDOW):
         self._lengths: deque[int] = deque(maxlen=window)
@@ -82,11 +92,18 @@ class OutputResiduals:
     def observe(self, output_len: int) -> None:
         self._lengths.append(output_len)
 
-    def remaining(self, expected: float, made: int) -> float:
-        if made < expected:
-            return expected - made
-        longer = [n - made for n in self._lengths if n > made]
-        return float(statistics.median(longer)) if longer else float(max(1, made))
+    def remaining(self, rows: list[tuple[float, int]]) -> list[float]:
+        """Per decoding row (expected output, tokens made), its output still to come."""
+        if not self._lengths:
+            return [expected - made if made < expected else float(max(1, made)) for expected, made in rows]
+        ordered = sorted(self._lengths)
+        ahead = [[n - made for n in ordered[bisect.bisect_right(ordered, made) :]] for _, made in rows]
+        rank = sorted(range(len(rows)), key=lambda i: ahead[i][len(ahead[i]) // 2] if ahead[i] else math.inf)
+        out = [0.0] * len(rows)
+        for j, i in enumerate(rank):
+            longer = ahead[i]
+            out[i] = float(longer[int((j + 0.5) / len(rows) * len(longer))]) if longer else float(max(1, rows[i][1]))
+        return out
 
 
 @dataclass
@@ -101,6 +118,7 @@ class _Placed:
     expected_output: float
     predicted_ttft: float  # before the correction: what the error is learned against
     predicted_tpot: float  # likewise
+    predicted_wait: float  # the slot wait within predicted_ttft, likewise
     waited: float  # seconds from the client's send to the dispatch: in the measured TTFT, in no queue
     decode_seen: tuple[float, int] | None = None  # (report time, tokens made) of its first report decoding
 
@@ -118,6 +136,7 @@ class _Row:
 class Prediction:
     ttft: float
     tpot: float
+    slot_wait: float = 0.0  # the part of `ttft` spent queued for a slot (every slot held)
 
 
 class LatencyModel:
@@ -131,6 +150,9 @@ class LatencyModel:
         self._by_replica: dict[str, dict[str, _Placed]] = {}  # dispatch order
         self._log_error: dict[str, float] = {}  # replica -> running mean of log(measured / predicted TTFT)
         self._log_tpot_error: dict[str, float] = {}  # the same for TPOT
+        # running mean of log(measured / predicted slot wait), over every replica: what the
+        # output lengths ahead of a queued request miss is the workload's, not a replica's
+        self._log_wait_error = 0.0
         self._caching: set[str] = set()  # replicas whose reports carry K/V events: a prefix cache
         self._priced: set[str] = set()  # replicas whose reports have carried their own pricing
         self._last: dict[str, tuple[Prediction, int]] = {}  # the last scoring's raw predictions, cached tokens
@@ -163,8 +185,14 @@ class LatencyModel:
         log_error = self._log_tpot_error.get(replica_id)
         return self.correction(replica_id) if log_error is None else math.exp(log_error)
 
+    def wait_correction(self) -> float:
+        """What a raw slot wait is multiplied by (1 until a queued request has shown one)."""
+        return math.exp(self._log_wait_error)
+
     def corrected(self, replica_id: str, raw: Prediction) -> Prediction:
-        return Prediction(raw.ttft * self.correction(replica_id), raw.tpot * self.tpot_correction(replica_id))
+        wait = raw.slot_wait * self.wait_correction()
+        ttft = (raw.ttft - raw.slot_wait) * self.correction(replica_id) + wait
+        return Prediction(ttft, raw.tpot * self.tpot_correction(replica_id), wait)
 
     def predict_raw(
         self, request: RouteRequest, view: ReplicaView, cached: int = 0, expected_output: float = 1.0
@@ -180,7 +208,7 @@ class LatencyModel:
     def _rows(self, view: ReplicaView) -> list[_Row]:
         """The replica's requests in flight, in dispatch order, as far as its last report says."""
         report = view.report
-        rows = []
+        rows, decoding = [], []
         for request_id, placed in self._by_replica.get(view.replica_id, {}).items():
             expected = max(1.0, placed.expected_output)
             made = 0 if report is None or placed.dispatched > report.time else report.tokens_made.get(request_id)
@@ -189,7 +217,11 @@ class LatencyModel:
             if made == 0:
                 rows.append(_Row(placed.to_prefill, placed.cached, expected))
             else:
-                rows.append(_Row(0.0, placed.prompt_len + made, self.residuals.remaining(expected, made)))
+                rows.append(_Row(0.0, placed.prompt_len + made, 0.0))
+                decoding.append((rows[-1], expected, made))
+        ahead = self.residuals.remaining([(expected, made) for _, expected, made in decoding])
+        for (row, _, _), left in zip(decoding, ahead):
+            row.decode_left = left
         return rows
 
     def dispatched(self, request: RouteRequest, replica_id: str, now: float, expected_output: float) -> None:
@@ -205,6 +237,7 @@ class LatencyModel:
             expected_output,
             math.nan if raw is None else raw.ttft,
             math.nan if raw is None else raw.tpot,
+            0.0 if raw is None else raw.slot_wait,
             request.waited(now),
         )
         self._placed[request.request_id] = placed
@@ -238,7 +271,12 @@ class LatencyModel:
             if placed is None or not placed.predicted_ttft > 0 or measured <= 0:
                 continue  # not placed here, already learned from, or a moved request's carried tokens
             since_dispatch = max(measured - placed.waited, 1e-9)
-            _learn(self._log_error, load.replica_id, since_dispatch / placed.predicted_ttft, 0.0)
+            wait = placed.predicted_wait
+            if wait <= 0:
+                _learn(self._log_error, load.replica_id, since_dispatch / placed.predicted_ttft, 0.0)
+            else:  # its own prefill as the replica's correction prices it; the rest was its wait
+                own = (placed.predicted_ttft - wait) * self.correction(load.replica_id)
+                self._log_wait_error = _learned(self._log_wait_error, max(since_dispatch - own, 1e-9) / wait)
             placed.predicted_ttft = math.nan  # one sample per request
         for request_id, made in load.tokens_made.items():
             placed = held.get(request_id)
@@ -261,11 +299,14 @@ class LatencyModel:
 
 
 def _learn(log_errors: dict[str, float], replica_id: str, ratio: float, prior: float) -> None:
-    """One error sample (measured / predicted, clipped) into the replica's running mean of
-    log errors, which starts from `prior`."""
+    """One error sample into the replica's running mean of log errors, which starts from `prior`."""
+    log_errors[replica_id] = _learned(log_errors.get(replica_id, prior), ratio)
+
+
+def _learned(log_error: float, ratio: float) -> float:
+    """A running mean of log errors after one more sample (measured / predicted, clipped)."""
     ratio = min(MAX_ERROR_RATIO, max(1 / MAX_ERROR_RATIO, ratio))
-    old = log_errors.get(replica_id, prior)
-    log_errors[replica_id] = old + CORRECTION_WEIGHT * (math.log(ratio) - old)
+    return log_error + CORRECTION_WEIGHT * (math.log(ratio) - log_error)
 
 
 def _walk(pricing: StepPricing, slots: int, rows: list[_Row], new: _Row, age: float) -> Prediction:
@@ -278,10 +319,14 @@ def _walk(pricing: StepPricing, slots: int, rows: list[_Row], new: _Row, age: fl
     queue = [_Row(r.prefill_left, r.context, r.decode_left) for r in rows]
     busy = bool(queue)
     elapsed, first_token, decoded = 0.0, None, 0
+    joined = slotted = None
     for _ in range(MAX_WALK_STEPS):
-        if new not in queue and (elapsed >= age or not busy):
+        if joined is None and (elapsed >= age or not busy):
             queue.append(new)
+            joined = elapsed
         running = queue[:slots]
+        if slotted is None and new in running:
+            slotted = elapsed
         decodes = [r for r in running if r.prefill_left <= 0]
         left = math.inf if budget is None else float(budget - len(decodes))
         context = sum(r.context + 1 for r in decodes)
@@ -311,7 +356,11 @@ def _walk(pricing: StepPricing, slots: int, rows: list[_Row], new: _Row, age: fl
             if decoded >= TPOT_STEPS or new.decode_left <= 0:
                 break
         queue = [r for r in queue if r.decode_left > 0]
+    # on a replica whose slots were all held, the wait for one counts from now (its end is a
+    # guess at the lengths ahead), even when a slot is predicted to free as it joins
+    waited_from = min(joined, age) if len(rows) >= slots else joined
+    wait = (elapsed if slotted is None else slotted) - waited_from
     if first_token is None:
-        return Prediction(elapsed, math.inf)
+        return Prediction(elapsed, math.inf, wait)
     tpot = (elapsed - first_token) / decoded if decoded else 0.0
-    return Prediction(first_token - age if busy else first_token, tpot)
+    return Prediction(first_token - age if busy else first_token, tpot, wait)

@@ -148,6 +148,56 @@ def test_rows_past_their_estimate_keep_their_slots_by_the_lengths_seen():
     assert waits[1] == pytest.approx(8 * step + 0.01 + 50 * 0.0005)
 
 
+def test_rows_holding_every_slot_spread_as_the_lengths_seen():
+    """Four rows have each made one token and the finished outputs ran 2 to 64 tokens: the rows
+    are given the 1/8, 3/8, 5/8 and 7/8 quantiles of what those still had to go, so the first
+    slot is predicted to free after 8 more steps (the shortest of four), not after the median
+    32 of any one; the new prompt's prediction counts that wait as a wait for a slot."""
+    pricing = StepPricing(STEP, 256)
+    model = LatencyModel()
+    for n in range(2, 65):
+        model.completed(f"done{n}", output_len=n)
+    assert model.residuals.remaining([(8.0, 1)] * 4) == [8.0, 24.0, 40.0, 56.0]
+    running = {f"q{i}": 1 for i in range(4)}
+    for rid in running:
+        model.scores(RouteRequest(rid, 10, 8), [ReplicaView("a", 0, None, None)], {}, 8.0)
+        model.dispatched(RouteRequest(rid, 10, 8), "a", now=0.0, expected_output=8.0)
+    full = ReplicaView("a", 4, _report("a", 1.0, pricing, running=4, free_slots=0, tokens_made=running), 0.0)
+    predicted = model.predict_raw(RouteRequest("new", prompt_len=50, max_tokens=8), full, expected_output=8.0)
+    step = 0.01 + 4 * 0.001  # four decode rows
+    assert predicted.slot_wait == pytest.approx(8 * step)
+    # then its prefill, beside the three rows still decoding
+    assert predicted.ttft == pytest.approx(8 * step + 0.01 + 3 * 0.001 + 50 * 0.0005)
+
+
+def test_slot_waits_are_corrected_apart_from_the_replicas_speed():
+    """On a replica priced right, requests that found every slot held waited twice the slot wait
+    predicted for them: the wait correction learns 2 while the replica's own correction stays 1,
+    so the next full-replica prediction doubles its wait and not its prefill."""
+    pricing = StepPricing(STEP, 256)
+    model = LatencyModel()
+    for n in range(2, 65):
+        model.completed(f"done{n}", output_len=n)
+    running = {f"q{i}": 1 for i in range(4)}
+    for rid in running:
+        model.scores(RouteRequest(rid, 10, 8), [ReplicaView("a", 0, None, None)], {}, 8.0)
+        model.dispatched(RouteRequest(rid, 10, 8), "a", now=0.0, expected_output=8.0)
+    full = ReplicaView("a", 4, _report("a", 1.0, pricing, running=4, free_slots=0, tokens_made=running), 0.0)
+    for i in range(40):
+        rid = f"w{i}"
+        model.scores(RouteRequest(rid, 50, 8), [full], {}, 8.0)
+        model.dispatched(RouteRequest(rid, 50, 8), "a", now=0.5, expected_output=8.0)
+        placed = model._by_replica["a"][rid]
+        measured = placed.predicted_ttft + placed.predicted_wait  # its wait twice as long
+        model.reported(_report("a", 2.0, pricing, ttft={rid: measured}, running=4, free_slots=0))
+        model.completed(rid)
+    assert model.wait_correction() == pytest.approx(2.0, rel=0.05)
+    assert model.correction("a") == 1.0
+    raw = model.predict_raw(RouteRequest("new", prompt_len=50, max_tokens=8), full, expected_output=8.0)
+    corrected = model.corrected("a", raw)
+    assert corrected.ttft == pytest.approx(raw.ttft - raw.slot_wait + raw.slot_wait * model.wait_correction())
+
+
 def test_tpot_filter_prefers_the_replica_that_meets_the_slo():
     """Replica a would give the first token soonest but decodes too slowly for the TPOT SLO,
     so the request goes to b; when no replica meets the SLO, the soonest first token wins."""
