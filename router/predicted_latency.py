@@ -358,6 +358,8 @@ def _walk(pricing: StepPricing, slots: int, rows: list[_Row], new: _Row, age: fl
         queue = [r for r in queue if r.decode_left > 0]
     # on a replica whose slots were all held, the wait for one counts from now (its end is a
     # guess at the lengths ahead), even when a slot is predicted to free as it joins
+    if joined is None:  # the walk's bound came before the report's age: it never joined
+        return Prediction(elapsed, math.inf)
     waited_from = min(joined, age) if len(rows) >= slots else joined
     wait = (elapsed if slotted is None else slotted) - waited_from
     if first_token is None:

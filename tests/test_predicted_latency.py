@@ -36,6 +36,16 @@ def _report(
     return LoadReport(replica_id, time=time, pricing=pricing, ttft=ttft or {}, **fields)
 
 
+def _every_slot_held(model: LatencyModel, pricing: StepPricing, made: int) -> ReplicaView:
+    """Replica a with its four slots held by requests (8 tokens expected of each) that have each
+    made `made` tokens, as its report at t=1 shows."""
+    running = {f"q{i}": made for i in range(4)}
+    for rid in running:
+        model.scores(RouteRequest(rid, 10, 8), [ReplicaView("a", 0, None, None)], {}, 8.0)
+        model.dispatched(RouteRequest(rid, 10, 8), "a", now=0.0, expected_output=8.0)
+    return ReplicaView("a", 4, _report("a", 1.0, pricing, running=4, free_slots=0, tokens_made=running), 0.0)
+
+
 def test_engine_reports_its_pricing_and_first_token_waits():
     """A fake replica's load report carries its step prices (its cost model and token budget)
     and, for each request that has made a token, how long it waited for the first: what the
@@ -137,11 +147,7 @@ def test_rows_past_their_estimate_keep_their_slots_by_the_lengths_seen():
         model = LatencyModel()
         for i in range(8):
             model.completed(f"done{i}", output_len=seen)
-        running = {f"q{i}": 8 for i in range(4)}
-        for rid in running:
-            model.scores(RouteRequest(rid, 10, 8), [ReplicaView("a", 0, None, None)], {}, 8.0)
-            model.dispatched(RouteRequest(rid, 10, 8), "a", now=0.0, expected_output=8.0)
-        full = ReplicaView("a", 4, _report("a", 1.0, pricing, running=4, free_slots=0, tokens_made=running), 0.0)
+        full = _every_slot_held(model, pricing, made=8)
         waits.append(model.predict_raw(request, full, expected_output=8.0).ttft)
     step = 0.01 + 4 * 0.001  # four decode rows
     assert waits[0] == pytest.approx(32 * step + 0.01 + 50 * 0.0005)
@@ -158,11 +164,7 @@ def test_rows_holding_every_slot_spread_as_the_lengths_seen():
     for n in range(2, 65):
         model.completed(f"done{n}", output_len=n)
     assert model.residuals.remaining([(8.0, 1)] * 4) == [8.0, 24.0, 40.0, 56.0]
-    running = {f"q{i}": 1 for i in range(4)}
-    for rid in running:
-        model.scores(RouteRequest(rid, 10, 8), [ReplicaView("a", 0, None, None)], {}, 8.0)
-        model.dispatched(RouteRequest(rid, 10, 8), "a", now=0.0, expected_output=8.0)
-    full = ReplicaView("a", 4, _report("a", 1.0, pricing, running=4, free_slots=0, tokens_made=running), 0.0)
+    full = _every_slot_held(model, pricing, made=1)
     predicted = model.predict_raw(RouteRequest("new", prompt_len=50, max_tokens=8), full, expected_output=8.0)
     step = 0.01 + 4 * 0.001  # four decode rows
     assert predicted.slot_wait == pytest.approx(8 * step)
@@ -178,11 +180,7 @@ def test_slot_waits_are_corrected_apart_from_the_replicas_speed():
     model = LatencyModel()
     for n in range(2, 65):
         model.completed(f"done{n}", output_len=n)
-    running = {f"q{i}": 1 for i in range(4)}
-    for rid in running:
-        model.scores(RouteRequest(rid, 10, 8), [ReplicaView("a", 0, None, None)], {}, 8.0)
-        model.dispatched(RouteRequest(rid, 10, 8), "a", now=0.0, expected_output=8.0)
-    full = ReplicaView("a", 4, _report("a", 1.0, pricing, running=4, free_slots=0, tokens_made=running), 0.0)
+    full = _every_slot_held(model, pricing, made=1)
     for i in range(40):
         rid = f"w{i}"
         model.scores(RouteRequest(rid, 50, 8), [full], {}, 8.0)
