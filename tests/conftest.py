@@ -42,6 +42,7 @@ RUNS_BESIDE_CLUSTERS = frozenset(
         "test_linear",
         "test_measured_pricing",
         "test_precise_prefix",
+        "test_predicted_latency",
         "test_protocol",
         "test_reliability_serving",
         "test_router_index",
@@ -67,7 +68,13 @@ RUNS_BESIDE_CLUSTERS = frozenset(
 # proxy. They are a second unit, on the other worker, so at most two clusters run at once and
 # never two of the first unit's, which do start those; one unit alone would be the suite's length.
 SECOND_CLUSTER_UNIT = frozenset(
-    {"test_autoscaling_cluster", "test_disaggregation_cluster", "test_reliability_model", "test_routing_cluster"}
+    {
+        "test_autoscaling_cluster",
+        "test_disaggregation_cluster",
+        "test_reliability_model",
+        "test_replica_speeds",
+        "test_routing_cluster",
+    }
 )
 
 

@@ -1,8 +1,6 @@
 """The predicted_latency routing policy: its TTFT prediction, priced by each replica's own step
 costs and corrected by each replica's observed error; its TPOT filter; the TTFT prediction
-error reports print; and replicas of different speeds, from the experiment file to the
-simulator and to the fake replicas on Ray. Pure objects on a fake clock, apart from one small
-Ray test."""
+error reports print. Pure objects on a fake clock."""
 
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ from protocol.messages import LoadReport
 from protocol.routing import RouteRequest
 from replica.config import EngineConfig
 from replica.engine import Engine
-from replica.model.fake import FlatCostModel, ScriptedFakeRunner
-from replica.serving.loop import ReplicaConfig
+from replica.model.fake import ScriptedFakeRunner
 from router.errors import RoutingError
 from router.load import ReplicaView
 from router.policies import make_routing_policy
@@ -346,16 +343,6 @@ def test_predicted_latency_avoids_the_slow_replica_under_load():
     assert p90["predicted_latency"] < p90["least_loaded"]
 
 
-def test_simulator_prices_each_replica_at_its_cost_scale():
-    """`cost_scales` makes each simulated replica's steps cost its own multiple: the same
-    prompts on two replicas take twice as long on the one at twice the scale."""
-    workload = heavy_tail_spec(num_requests=40, rate=2.0, seed=1).build()
-    config = SimulationConfig(num_replicas=2, routing_policy="round_robin", cost_scales=[1.0, 2.0])
-    result = simulate(workload, config, FlatCostModel(0.01))
-    durations = {r: sorted({round(s.duration, 9) for s in steps}) for r, steps in result.steps.items()}
-    assert durations == {"r0": [0.01], "r1": [0.02]}
-
-
 def test_mape_of_a_tiny_known_case():
     """MAPE over the requests with a first token and a prediction, a moved request's last one:
     |1.0 - 0.5| / 0.5 = 1.0 and |2.0 - 2.5| / 2.5 = 0.2 give 0.6 over two requests."""
@@ -376,64 +363,5 @@ def test_mape_of_a_tiny_known_case():
     assert ttft_prediction_error(traces[2:], decisions)["mape"] is None
 
 
-def test_cluster_spec_gives_each_fake_replica_its_cost_scale():
-    """`ClusterSpec.cost_scales` scales each fake replica's step prices (and repeats past the
-    list, for replicas an autoscaler adds); it refuses a real model, whose speed is its own."""
-    from cluster.deploy import ClusterSpec
-
-    spec = ClusterSpec(num_replicas=2, replica=ReplicaConfig(fake_cost=STEP), cost_scales=[1.0, 3.0])
-    assert [spec.replica_config(i).fake_cost for i in range(3)] == [STEP, STEP.scaled(3.0), STEP]
-    with pytest.raises(ValueError, match="fake"):
-        ClusterSpec(num_replicas=2, cost_scales=[1.0, 2.0])
-
-
 def test_policy_is_registered_under_its_name():
     assert make_routing_policy("predicted_latency").name == "predicted_latency"
-
-
-def test_cost_scales_reach_the_fake_replicas_on_ray(tmp_path):
-    """On Ray, each fake replica of a cluster with `cost_scales` runs at its own step time."""
-    import ray
-
-    from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
-
-    ray.init(address="local", num_cpus=2, namespace="slotserve", include_dashboard=False, log_to_driver=False)
-    try:
-        spec = ClusterSpec(
-            num_replicas=2,
-            replica=ReplicaConfig(engine=EngineConfig(num_slots=2, max_seq_len=64), fake_step_seconds=0.005),
-            cost_scales=[1.0, 4.0],
-            num_cpus_per_replica=0.5,
-            store_path=str(tmp_path / "store.db"),
-        )
-        deployment = start_cluster(spec)
-        infos = ray.get([deployment.replicas[f"replica-{i}"].info.remote() for i in range(2)])
-        assert [info.fake_step_seconds for info in infos] == [0.005, 0.02]
-    finally:
-        stop_cluster()
-        ray.shutdown()
-
-
-def test_experiment_file_gives_each_replica_its_speed(tmp_path):
-    """An experiment file's `cost_scales` reach the simulator's config, need one scale per
-    replica, and refuse Ray Serve's routers on Ray (one deployment of identical replicas)."""
-    import shutil
-
-    from experiments.backends import SimulatedBackend
-    from experiments.plan import plan_experiment
-    from workloads.experiment import ExperimentError
-
-    shipped = "workloads/experiments/heterogeneous.toml"
-    shutil.copy("workloads/experiments/cost_model.json", tmp_path)
-    plan = plan_experiment(shipped, simulate=True)
-    config = SimulatedBackend(plan, None)._config(plan.cells[0], "predicted_latency", 0)
-    assert config.cost_scales == [0.0625, 0.0625, 0.25, 0.25]
-    text = open(shipped).read()
-    for change, error in (
-        (("cost_scales = [0.0625, 0.0625, 0.25, 0.25]", "cost_scales = [0.0625, 0.25]"), "one scale per replica"),
-        (('"predicted_latency"]', '"predicted_latency", "serve_power_of_two"]'), "identical replicas"),
-    ):
-        path = tmp_path / "het.toml"
-        path.write_text(text.replace(*change))
-        with pytest.raises(ExperimentError, match=error):
-            plan_experiment(path)
