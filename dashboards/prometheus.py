@@ -27,6 +27,11 @@ class Series:
         return [(t, v) for t, v in self.points if math.isfinite(v)]
 
 
+def _points(result: dict) -> list[tuple[float, float]]:
+    """A result's points: an instant vector's one `value` or a matrix's `values`."""
+    return [(float(t), float(v)) for t, v in result.get("values", [result.get("value")])]
+
+
 class Prometheus:
     def __init__(self, url: str, timeout: float = 30.0):
         self.url = url.rstrip("/")
@@ -46,17 +51,18 @@ class Prometheus:
         return body["data"]
 
     def query(self, expr: str, at: float | None = None) -> list[Series]:
-        """The expression's value at one instant (now by default)."""
+        """The expression's value at one instant (now by default): one point per series, or for a
+        range selector (`name[6s]`) the raw samples it holds."""
         params: dict[str, str | float] = {"query": expr}
         if at is not None:
             params["time"] = at
         data = self._get("/api/v1/query", params)
-        return [Series(r["metric"], [(float(r["value"][0]), float(r["value"][1]))]) for r in data["result"]]
+        return [Series(r["metric"], _points(r)) for r in data["result"]]
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> list[Series]:
         """The expression evaluated every `step` seconds from `start` to `end`."""
         data = self._get("/api/v1/query_range", {"query": expr, "start": start, "end": end, "step": step})
-        return [Series(r["metric"], [(float(t), float(v)) for t, v in r["values"]]) for r in data["result"]]
+        return [Series(r["metric"], _points(r)) for r in data["result"]]
 
     def ready(self) -> bool:
         try:
