@@ -4,7 +4,10 @@ default model loaded once per session."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 # Tests start and stop their own Ray instances (one per test, or one per module). Ray's
@@ -15,6 +18,29 @@ os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from replica.model.linear import CROSSOVER_FILE  # noqa: E402
+from replica.model.loader import cache_dir  # noqa: E402
+
+
+def _cache_of_the_session() -> None:
+    """Point `SLOTSERVE_CACHE` (which Ray's workers and the tests' subprocesses inherit) at a
+    folder of the session's own, the user's cache linked into it entry by entry (the converted
+    default model is not redone) except the crossovers (`replica.model.linear.crossover`): the
+    suite measures those on a machine it keeps busy, and a user's engine must not read them.
+    xdist's workers inherit the folder their controller made."""
+    if os.environ.get("SLOTSERVE_TEST_CACHE"):
+        return
+    user, session = cache_dir(), Path(tempfile.mkdtemp(prefix="slotserve-test-cache-"))
+    if user.is_dir():
+        for entry in user.iterdir():
+            if entry.name != CROSSOVER_FILE:
+                (session / entry.name).symlink_to(entry)
+    os.environ["SLOTSERVE_CACHE"] = os.environ["SLOTSERVE_TEST_CACHE"] = str(session)
+    atexit.register(shutil.rmtree, session, ignore_errors=True)  # removes the links, not what they name
+
+
+_cache_of_the_session()
 
 TINY_VOCAB = 49152  # the default model's tokenizer, shipped with every tiny model dir
 

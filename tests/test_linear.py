@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,3 +189,14 @@ def test_linear_keeps_to_onednn_where_the_kernel_cannot_serve(monkeypatch):
         assert lin.skinny_rows == 0 and lin.plain is None and lin.packed == can_pack(w.to(dtype))
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(lin(x.to(dtype)).float(), F.linear(x, w), rtol=tol, atol=tol * 5)
+
+
+def test_the_suite_measures_its_crossovers_apart_from_the_users_cache():
+    """The suite's crossovers, measured on a machine it keeps busy, go to a cache folder of the
+    session's own (`tests/conftest.py`), never to the user's crossover.json."""
+    from replica.model import linear
+    from replica.model.loader import cache_dir
+
+    session = cache_dir()
+    assert session == Path(os.environ["SLOTSERVE_TEST_CACHE"]) and session != Path.home() / ".cache" / "slotserve"
+    assert not (session / linear.CROSSOVER_FILE).is_symlink()
