@@ -54,9 +54,6 @@ FAKE = ReplicaConfig(
 # the other panels are checked against.
 HELD_AT_TWO = AutoscaleConfig(policy="target_ongoing", min_replicas=2, max_replicas=2)
 WINDOW = 6.0  # seconds: the rate window put in for Grafana's $__rate_interval
-# Occupancy, absolute: the dashboard's ratio of two counters sampled in the same scrape is exact,
-# but an export can fall between the replica's two increments of one step (one step in hundreds).
-TOLERANCE = 0.02
 
 pytestmark = pytest.mark.skipif(
     shutil.which("prometheus") is None,
@@ -196,7 +193,8 @@ def test_every_panel_query_returns_data_with_the_labels_it_splits_by(live):
 def test_dashboard_occupancy_agrees_with_the_replicas_step_samples(live):
     """The run's counters in Prometheus hold exactly the store's steps; the dashboard's
     occupancy over a 6 s window, taken every second of the load, equals the mean occupancy of
-    the very steps its counters moved by in that window (the store's steps, counted in order);
+    the very steps its counters moved by in that window (the store's steps, counted in order):
+    exactly in most windows, and in every one within the steps an export can split at each end;
     and the counters are timely: a scraped count never holds a step that had not started, and
     by the median scrape it holds every step started 3 s before."""
     api, run_id, steps = live["api"], live["run_id"], live["steps"]
@@ -209,7 +207,7 @@ def test_dashboard_occupancy_agrees_with_the_replicas_step_samples(live):
 
     load_start, load_end = live["load"]
     expr = fill(OCCUPANCY, f"{WINDOW:g}s")
-    differences, lags = [], []
+    differences, slack, lags = [], [], []
     for at in range(int(load_start + WINDOW + 2), int(load_end)):
         for series in api.query(expr, at=at):
             replica = series.labels["replica"]
@@ -221,6 +219,10 @@ def test_dashboard_occupancy_agrees_with_the_replicas_step_samples(live):
             counted = mine[int(first) : int(last)]
             if counted:
                 mean = sum(s["live_slots"] / s["num_slots"] for s in counted) / len(counted)
+                # exact, but for an export whose snapshot of the two counters straddles a step's
+                # increments (a step or two, at each end of the window): those steps' live slots
+                # counted on one side only
+                slack.append(4 / len(counted))
                 differences.append(abs(series.points[0][1] - mean))
             assert all(s["start"] < last_time for s in mine[: int(last)]), f"{replica} counted a step not yet begun"
             if int(last) < len(mine):  # the oldest step not yet counted: how late the count is
@@ -231,7 +233,8 @@ def test_dashboard_occupancy_agrees_with_the_replicas_step_samples(live):
         f"occupancy, dashboard vs store: {len(differences)} windows, max |diff| {max(differences):.4f}; "
         f"export lag median {lags[len(lags) // 2]:.2f} s, max {lags[-1]:.2f} s"
     )
-    assert max(differences) <= TOLERANCE
+    assert sorted(differences)[len(differences) // 2] <= 1e-9
+    assert all(d <= bound + 1e-9 for d, bound in zip(differences, slack)), max(zip(differences, slack))
     assert lags[len(lags) // 2] <= 3.0
 
 
