@@ -252,7 +252,7 @@ def test_dashboard_occupancy_agrees_with_the_replicas_step_samples(live):
                 exact.append(abs(value - (sums[replica][hi] - sums[replica][lo]) / (last - first) / num_slots))
                 # steps lo..first and hi..last counted on one side only, each at most 1 slot in 1
                 bound = (abs(lo - first) + abs(hi - last)) / (last - first)
-                mean = sum(s["live_slots"] for s in mine[first:last]) / (last - first) / num_slots
+                mean = (sums[replica][last] - sums[replica][first]) / (last - first) / num_slots
                 against_steps.append((abs(value - mean), bound))
             assert last == 0 or mine[last - 1]["start"] < last_time, f"{replica} counted a step not yet begun"
             if last < len(mine):  # the oldest step not yet counted: how late the count is
