@@ -36,7 +36,9 @@ from metrics.store import MetricsStore
 from protocol.cost import LinearCostModel, StepFeatures
 from sim.cost_model import MAX_LOOP_GAP, step_overhead
 
-KEY = ("routing", "load", "batching", "slots", "token_budget", "workload")  # a cell without its seed
+# a cell without its seed
+KEY = ("routing", "load", "batching", "slots", "token_budget", "workload", "pools", "scaling")
+KNOBS = ("token_budget", "slots", "pools")  # what colocated and split cells are each tuned over (`winners`)
 METRICS = {
     "ttft_p90": lambda a: a["cluster"]["ttft"]["p90"],
     "ttft_p50": lambda a: a["cluster"]["ttft"]["p50"],
@@ -60,12 +62,32 @@ def cells(path: Path, experiment: str) -> dict[tuple, dict[str, float]]:
             if config.get("experiment") != experiment or not run["complete"]:
                 continue
             a = analyze(store, run["run_id"], SLO(**(run["slo"] or {})))
-            runs.setdefault(tuple(config["cell"][k] for k in KEY), []).append({m: f(a) for m, f in METRICS.items()})
+            key = tuple(config["cell"].get(k, "") for k in KEY)  # a store from before pools and scaling has neither
+            runs.setdefault(key, []).append({m: f(a) for m, f in METRICS.items()})
     finally:
         store.close()
     return {
         key: {m: statistics.median(r[m] for r in rs if r[m] is not None) for m in METRICS} for key, rs in runs.items()
     }
+
+
+def winners(side: dict[tuple, dict[str, float]]) -> dict[tuple, str]:
+    """Per point of a sweep with both colocated cells (no prefill pool) and cells split into
+    prefill and decode pools, which arrangement's best cell has the more goodput: "split" or
+    "colocated" (the point: a cell's key with its `KNOBS` None). Empty for an experiment without pools."""
+    best: dict[tuple, dict[bool, float]] = {}
+    for key, figures in side.items():
+        cell = dict(zip(KEY, key))
+        point = tuple(None if k in KNOBS else v for k, v in cell.items())
+        split = bool(cell["pools"]) and int(cell["pools"].split(":")[0]) > 0
+        kinds = best.setdefault(point, {})
+        kinds[split] = max(kinds.get(split, -math.inf), figures["goodput"])
+    return {p: "split" if k[True] > k[False] else "colocated" for p, k in best.items() if len(k) == 2}
+
+
+def label(key: tuple, shown: list[str]) -> str:
+    """A cell by the parts of its key that vary across the compared cells."""
+    return " ".join(f"{k}={v}" for k, v in zip(KEY, key) if k in shown)
 
 
 def overheads(path: Path, experiment: str, file: Path) -> dict[str, float | None]:
@@ -159,17 +181,25 @@ def main() -> None:
             print(f"cluster's {key}: " + ("not measured" if seconds is None else f"{seconds:.5f} s"))
     real, sim = cells(args.cluster, args.experiment), cells(args.sim, args.experiment)
     both = sorted(set(real) & set(sim), key=lambda k: (k[1] or 0, str(k[0])))
+    shown = [k for i, k in enumerate(KEY) if k in ("routing", "load") or len({c[i] for c in both}) > 1]
     for side, only in (("cluster", set(real) - set(sim)), ("simulated", set(sim) - set(real))):
         if only:
-            print(f"only {side} (left out): " + ", ".join(f"{k[0]} load={k[1]}" for k in sorted(only, key=str)))
+            print(f"only {side} (left out): " + ", ".join(label(k, shown) for k in sorted(only, key=str)))
     if not both:
         raise SystemExit(f"no cell of {args.experiment!r} is in both stores")
-    print(f"{'routing':<20}{'load':>6}{'TTFT p90 sim':>14}{'cluster':>9}{'p50 sim':>9}{'cluster':>9}", end="")
-    print(f"{'goodput sim':>13}{'cluster':>9}")
+    width = max(len(label(k, shown)) for k in both) + 2
+    print(f"{'cell':<{width}}{'TTFT p90 sim':>14}{'cluster':>9}{'p50 sim':>9}{'cluster':>9}", end="")
+    print(f"{'goodput sim':>13}{'cluster':>9}{'error':>8}")
     for k in both:
         s, r = sim[k], real[k]
-        print(f"{k[0]:<20}{k[1]!s:>6}{s['ttft_p90']:>14.3f}{r['ttft_p90']:>9.3f}", end="")
-        print(f"{s['ttft_p50']:>9.3f}{r['ttft_p50']:>9.3f}{s['goodput']:>13.1f}{r['goodput']:>9.1f}")
+        print(f"{label(k, shown):<{width}}{s['ttft_p90']:>14.3f}{r['ttft_p90']:>9.3f}", end="")
+        error = f"{(s['goodput'] - r['goodput']) / r['goodput']:+.1%}" if r["goodput"] else "-"
+        print(f"{s['ttft_p50']:>9.3f}{r['ttft_p50']:>9.3f}{s['goodput']:>13.1f}{r['goodput']:>9.1f}{error:>8}")
+    sides = [winners({k: sim[k] for k in both}), winners({k: real[k] for k in both})]
+    for point in sides[1]:
+        where = label(point, [k for k in shown if k not in KNOBS])
+        same = "the same winner" if sides[0][point] == sides[1][point] else "NOT the same winner"
+        print(f"{where}: {sides[1][point]} wins on goodput on the cluster, {sides[0][point]} simulated: {same}")
     summary = {}
     for m in METRICS:
         xs, ys = [sim[k][m] for k in both], [real[k][m] for k in both]
@@ -185,7 +215,11 @@ def main() -> None:
         print(f"{m}: Spearman across {len(both)} cells {rho_text}{verdict}; median relative error {error:.1%}")
     if args.json:
         rows = [{**dict(zip(KEY, k)), "sim": sim[k], "cluster": real[k]} for k in both]
-        args.json.write_text(json.dumps({"cells": rows, "summary": summary}, indent=2) + "\n")
+        points = [
+            {**{k: v for k, v in zip(KEY, p) if k not in KNOBS}, "cluster": sides[1][p], "sim": sides[0][p]}
+            for p in sides[1]
+        ]
+        args.json.write_text(json.dumps({"cells": rows, "summary": summary, "winners": points}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import ray
 from cli.help import RawDescriptionDefaultsHelpFormatter
 from experiments.experiment_report import against_serve, format_summary, prefix_ceilings, summarize_runs, write_report
 from experiments.plan import plan_experiment
+from experiments.pools_report import against_colocated
 from experiments.run import run_experiment
 from experiments.scaling_report import against_static
 from metrics.store import DEFAULT_STORE
@@ -68,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
             ray.shutdown()
     rows = summarize_runs(result)
     print(format_summary(rows))
-    for line in against_serve(rows) + prefix_ceilings(result, rows) + against_static(result, rows):
+    comparisons = against_serve(rows) + prefix_ceilings(result, rows) + against_static(result, rows)
+    for line in comparisons + against_colocated(result, rows):
         print(line)
     out = args.out or experiment.path.parent / experiment.name
     report = write_report(result, rows, out, _command(args))

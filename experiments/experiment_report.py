@@ -19,6 +19,7 @@ from pathlib import Path
 
 from cluster.serve_baseline import SERVE_ROUTERS
 from experiments.plan import AXES, Cell
+from experiments.pools_report import against_colocated
 from experiments.run import ExperimentResult
 from experiments.scaling_report import SCALING_METRICS, against_static, plot_scaling_timeline, scaling_figures
 from metrics.definitions import SLO
@@ -36,6 +37,7 @@ METRICS: list[tuple[str, str, Callable[[dict], float | None], str]] = [
     ("ttft_p90", "TTFT p90 s", lambda c: c["ttft"]["p90"], "{:.3f}"),
     ("ttft_p99", "TTFT p99 s", lambda c: c["ttft"]["p99"], "{:.3f}"),
     ("tpot_p50", "TPOT p50 s", lambda c: c["tpot"]["p50"], "{:.3f}"),
+    ("tpot_p99", "TPOT p99 s", lambda c: c["tpot"]["p99"], "{:.3f}"),
     ("itl_p99", "ITL p99 s", lambda c: c["itl"]["p99"], "{:.3f}"),
     ("slot_efficiency", "slot eff %", lambda c: _pct(c["slot_efficiency"]), "{:.1f}"),
     ("prefix_hit_rate", "prefix hit %", lambda c: _pct(c["prefix_hit_rate"]), "{:.1f}"),
@@ -45,9 +47,10 @@ METRICS: list[tuple[str, str, Callable[[dict], float | None], str]] = [
     ("index_staleness", "index stale %", lambda c: _pct(c["index_staleness"]["staleness"]), "{:.1f}"),
     ("transfer", "hand-over s", lambda c: c["transfer"], "{:.4f}"),
 ]
-# shown only where a policy of the table predicts TTFT, or believes what the replicas' caches hold,
-# or where a cell hands requests over with their K/V (prefill/decode pools)
-PREDICTIONS = {"ttft_mape", "index_staleness", "transfer"}
+# shown only where a row has figures for the key they map to: where a policy of the table predicts
+# TTFT, or believes what the replicas' caches hold, or where a cell hands requests over with their
+# K/V (prefill/decode pools; the TPOT tail is what a prompt's prefill does to the decodes beside it)
+SHOWN_WHERE = {k: k for k in ("ttft_mape", "index_staleness", "transfer")} | {"tpot_p99": "transfer"}
 SPREAD_NOTE = "median over seeds ± half the min–max range"
 
 
@@ -128,7 +131,7 @@ def _key_text(row: SummaryRow, axis: str) -> str:
 
 def format_summary(rows: list[SummaryRow], markdown: bool = False) -> str:
     axes = shown_axes(rows)
-    metrics = [(k, h) for k, h, *_ in METRICS if k not in PREDICTIONS or any(r.values[k] for r in rows)]
+    metrics = [(k, h) for k, h, *_ in METRICS if k not in SHOWN_WHERE or any(r.values[SHOWN_WHERE[k]] for r in rows)]
     metrics += [(k, h) for k, h, _ in SCALING_METRICS if k in rows[0].values]
     header = axes + [h for _, h in metrics]
     body = [[_key_text(r, a) for a in axes] + [r.cell_text(k) for k, _ in metrics] for r in rows]
@@ -325,6 +328,7 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
         store.close()
     c, slo = experiment.cluster, experiment.slo
     serve, ceilings, static = against_serve(rows), prefix_ceilings(result, rows), against_static(result, rows)
+    colocated = against_colocated(result, rows)
     if c.model != "fake":
         model = c.model
     elif c.fake_step_seconds is not None:
@@ -378,6 +382,7 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
         *(["## Against Ray Serve's routers", "", *[f"- {line}" for line in serve], ""] if serve else []),
         *(["## Autoscaling against static provisioning", "", *[f"- {x}" for x in static], ""] if static else []),
         *(["## Prefix cache against the best possible", "", *[f"- {x}" for x in ceilings], ""] if ceilings else []),
+        *(["## Colocated against disaggregated", "", *[f"- {x}" for x in colocated], ""] if colocated else []),
         "## Runs",
         "",
         "| row | run ids |",

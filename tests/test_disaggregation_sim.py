@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+from experiments.experiment_report import format_summary, summarize_runs
 from experiments.plan import plan_experiment
 from experiments.run import run_experiment
 from metrics.store import MetricsStore
@@ -126,6 +127,12 @@ def test_the_pools_axis_runs_colocated_and_split_cells_on_the_same_traffic(tmp_p
     assert colocated["config"]["workload_spec"] == split["config"]["workload_spec"]
     assert "handovers" not in colocated["config"] and split["config"]["handovers"] > 0
     assert {t.replica for t in store.traces(result.runs[1][1])} <= {"r1", "r2"}
+    # the table shows the TPOT tail and the hand-over time only where a cell hands over
+    table = format_summary(summarize_runs(result))
+    assert "TPOT p99 s" in table and "hand-over s" in table
+    colocated_only = plan_experiment(write(tmp_path, sweep='pools = ["0:3"]'), simulate=True)
+    result = run_experiment(colocated_only, simulate=True, store_path=tmp_path / "c.db", progress=False)
+    assert "TPOT p99 s" not in format_summary(summarize_runs(result))
 
 
 def test_cluster_pools_set_the_replicas_and_bad_splits_name_their_line(tmp_path):
@@ -149,3 +156,53 @@ def test_the_shipped_experiment_plans():
         assert {(c.token_budget, c.slots) for c in plan.cells if c.pools == pools} == {
             (budget, slots) for budget in (64, 128, 256, 512) for slots in (8, 12)
         }
+
+
+def test_the_report_sets_the_best_split_against_the_best_colocated_seed_by_seed(tmp_path):
+    from types import SimpleNamespace
+
+    from experiments.experiment_report import SummaryRow
+    from experiments.plan import Cell
+    from experiments.pools_report import against_colocated
+
+    plan = plan_experiment(write(tmp_path), simulate=True)
+
+    def row(pools: str, budget: int, goodput: list[float], load: float = 0.8) -> SummaryRow:
+        return SummaryRow(Cell("chunked", "least_loaded", load, budget, 4, 0, pools=pools), values={"goodput": goodput})
+
+    rows = [
+        row("0:3", 64, [10.0, 12.0, 11.0]),
+        row("0:3", 128, [12.0, 13.0, 14.0]),  # the best colocated: median 13
+        row("1:2", 64, [20.0, 12.5, 26.0]),  # the best split: median 20, behind on the second seed
+        row("1:2", 128, [15.0, 16.0, 17.0]),
+        row("0:3", 64, [30.0, 30.0], load=0.5),  # at 0.5 colocated wins on both seeds
+        row("1:2", 64, [29.0, 20.0], load=0.5),
+    ]
+    lines = against_colocated(SimpleNamespace(plan=plan), rows)
+    assert lines == [
+        "load=0.8: split wins, (pools 1:2, budget 64, 4 slots) 20.0 good tok/s = 1.54x the best colocated, "
+        "(pools 0:3, budget 128, 4 slots) 13.0; by seed 1.67x / 0.96x / 1.86x; does not hold on every seed",
+        "load=0.5: colocated wins, (pools 0:3, budget 64, 4 slots) 30.0 good tok/s = 1.22x the best split, "
+        "(pools 1:2, budget 64, 4 slots) 24.5; by seed 1.03x / 1.50x; holds on every seed",
+    ]
+    assert against_colocated(SimpleNamespace(plan=plan), [r for r in rows if r.cell.pools == "0:3"]) == []
+
+
+def test_fidelity_names_each_sides_winner_per_point_of_the_sweep():
+    from benchmarks.experiment_fidelity import winners
+
+    def key(pools: str, budget: int, load: float = 1.0) -> tuple:
+        return ("least_loaded", load, "chunked", 12, budget, "w", pools, "")
+
+    def point(load: float) -> tuple:
+        return ("least_loaded", load, "chunked", None, None, "w", None, "")
+
+    side = {
+        key("0:4", 128): {"goodput": 10.0},
+        key("0:4", 512): {"goodput": 12.0},  # the best colocated beats the best split
+        key("3:1", 512): {"goodput": 11.0},
+        key("0:4", 128, 0.7): {"goodput": 4.0},
+        key("1:3", 128, 0.7): {"goodput": 5.0},
+        key("1:3", 128, 0.4): {"goodput": 5.0},  # no colocated cell at 0.4: no winner there
+    }
+    assert winners(side) == {point(1.0): "colocated", point(0.7): "split"}
