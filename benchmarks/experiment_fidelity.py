@@ -1,14 +1,17 @@
 """How well the simulator ranks an experiment's cells: the runs of one experiment file on a Ray
 cluster (`slotserve experiment FILE --store CLUSTER.db`) set against its simulated runs
-(`slotserve experiment FILE --simulate --store SIM.db`), cell by cell.
+(`slotserve experiment FILE --simulate --store SIM.db`), cell by cell. Each side may be several
+stores (an experiment run in parts), read as one.
 
-A cell is a (routing, load) pair (and its batching, slots and token budget when the file sweeps
-them); its figure is the median over its seeds' complete runs, read with the SLO each run was
-recorded with. Cells run on only one side (Ray Serve's routers have no simulated twin) are listed
-and left out of the comparison. Prints per cell simulated against cluster TTFT p90 and p50 and goodput,
-then the Spearman rank correlation of each metric across the cells both sides ran (average
-ranks for ties; target for TTFT p90: at least 0.9), and the median relative error for
-information.
+A cell is a (routing, load) pair (and its batching, slots, token budget, workload,
+prefill/decode split and scaling when the file sweeps them); its figure is the median over its
+seeds' complete runs, read with the SLO each run was recorded with. Cells run on only one side
+(Ray Serve's routers have no simulated twin) are listed and left out of the comparison. Prints
+per cell simulated against cluster TTFT p90 and p50 and goodput, then the Spearman rank
+correlation of each metric across the cells both sides ran (average ranks for ties; target for
+TTFT p90: at least 0.9; not judged on fewer than 3 cells), and the median relative error for
+information. Where the cells split the replicas into prefill and decode pools, it also says per
+point of the sweep whether both sides name the same winner, colocated or split (`winners`).
 
 With `--file` (the experiment file, whose cost model its fake replicas paid, one cost_scale for
 all) it also prints what the cluster spent outside its steps, the figures the file's `[cluster]
@@ -16,8 +19,8 @@ step_overhead`, `dispatch_delay` and `submit_interval` give the simulator (`over
 that spends `sim.cost_model.MAX_LOOP_GAP` or more between steps reads as idle and is not
 measured).
 
-    .venv/bin/python -m benchmarks.experiment_fidelity --cluster results/kv-pressure-cluster.db \\
-        --sim results/kv-pressure-sim.db [--experiment kv-pressure] [--file FILE.toml] [--json PATH]
+    .venv/bin/python -m benchmarks.experiment_fidelity --cluster results/kv-pressure-cluster.db [...] \\
+        --sim results/kv-pressure-sim.db [...] [--experiment kv-pressure] [--file FILE.toml] [--json PATH]
 """
 
 from __future__ import annotations
@@ -90,23 +93,24 @@ def label(key: tuple, shown: list[str]) -> str:
     return " ".join(f"{k}={v}" for k, v in zip(KEY, key) if k in shown)
 
 
-def overheads(path: Path, experiment: str, file: Path) -> dict[str, float | None]:
-    """What the cluster's runs of `experiment` spent outside their steps, as the simulator's
-    `[cluster]` keys take it: `step_overhead` (the serving loop's seconds per step beyond the
-    price `file`'s cost model puts on it; over slotserve's replicas, and apart over Ray Serve's)
-    and `dispatch_delay` (slotserve's: the median, over requests that found their replica idle,
-    from arrival to the start of the step that made their first token, plus the median from
-    such a step's start, past its price, to the client's receipt of that token). A simulated
-    replica stamps a step's tokens at its priced end and `step_overhead` delays only its next
-    step, so the loop's time before a token is out delays the token through `dispatch_delay`
-    alone, and the next step through `step_overhead` alone, as on the cluster. And
-    `submit_interval` (slotserve's): the median, over two requests planned within `BURST_GAP` of
-    each other, of the time between the client's sends of them, what it spends on one request.
+def overheads(paths: list[Path], experiment: str, file: Path) -> dict[str, float | None]:
+    """What the cluster's runs of `experiment` (in the stores at `paths`, pooled) spent outside their
+    steps, as the simulator's `[cluster]` keys take it: `step_overhead` (the serving loop's
+    seconds per step beyond the price `file`'s cost model puts on it; over slotserve's replicas,
+    and apart over Ray Serve's) and `dispatch_delay` (slotserve's: the median, over requests
+    that found their replica idle, from arrival to the start of the step that made their first
+    token, plus the median from such a step's start, past its price, to the client's receipt of
+    that token). A simulated replica stamps a step's tokens at its priced end and
+    `step_overhead` delays only its next step, so the loop's time before a token is out delays
+    the token through `dispatch_delay` alone, and the next step through `step_overhead` alone,
+    as on the cluster. And `submit_interval` (slotserve's): the median, over two requests
+    planned within `BURST_GAP` of each other, of the time between the client's sends of them,
+    what it spends on one request.
 
     Both read a step as followed at once by the next when the gap between them is under
-    `MAX_LOOP_GAP` (else the replica waited for an arrival), so a loop that spends that long
-    or more between two steps is not measured (those pairs read as idle). `file` must price
-    every replica alike: with `cost_scales` there is no one price to read the steps against."""
+    `MAX_LOOP_GAP` (else the replica waited for an arrival), so a loop that spends that long or
+    more between two steps is not measured (those pairs read as idle). `file` must price every
+    replica alike: with `cost_scales` there is no one price to read the steps against."""
     from cluster.serve_baseline import SERVE_ROUTERS
     from experiments.plan import plan_experiment
 
@@ -114,20 +118,21 @@ def overheads(path: Path, experiment: str, file: Path) -> dict[str, float | None
     if plan.experiment.cluster.cost_scales is not None:
         raise SystemExit(f"--file {file}: cost_scales prices each replica apart; give a file with one cost_scale")
     cost = plan.cost
-    store = MetricsStore(path)
     steps: dict[str, list[dict]] = {"slotserve": [], "serve": []}
     to_replica, after_start, sends = [], [], []
-    try:
-        for run in store.runs():
-            if (run["config"] or {}).get("experiment") != experiment or not run["complete"]:
-                continue
-            rows = store.steps(run["run_id"])
-            steps["serve" if run["routing_policy"] in SERVE_ROUTERS else "slotserve"] += rows
-            if run["routing_policy"] not in SERVE_ROUTERS:
-                _request_path(store.traces(run["run_id"]), rows, cost, to_replica, after_start)
-                sends += send_gaps(store.requests(run["run_id"]))
-    finally:
-        store.close()
+    for path in paths:
+        store = MetricsStore(path)
+        try:
+            for run in store.runs():
+                if (run["config"] or {}).get("experiment") != experiment or not run["complete"]:
+                    continue
+                rows = store.steps(run["run_id"])
+                steps["serve" if run["routing_policy"] in SERVE_ROUTERS else "slotserve"] += rows
+                if run["routing_policy"] not in SERVE_ROUTERS:
+                    _request_path(store.traces(run["run_id"]), rows, cost, to_replica, after_start)
+                    sends += send_gaps(store.requests(run["run_id"]))
+        finally:
+            store.close()
     found = {f"step_overhead ({side})": step_overhead(rows, cost) for side, rows in steps.items()}
     found["dispatch_delay"] = statistics.median(to_replica) + statistics.median(after_start) if to_replica else None
     found["submit_interval"] = statistics.median(sends) if sends else None
@@ -170,8 +175,10 @@ def _request_path(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cluster", type=Path, required=True, help="store with the experiment's Ray-cluster runs")
-    parser.add_argument("--sim", type=Path, required=True, help="store with its simulated runs")
+    parser.add_argument(
+        "--cluster", type=Path, nargs="+", required=True, help="stores with the experiment's Ray-cluster runs"
+    )
+    parser.add_argument("--sim", type=Path, nargs="+", required=True, help="stores with its simulated runs")
     parser.add_argument("--experiment", default="kv-pressure", help="the experiment's name (its file's `name`)")
     parser.add_argument("--json", type=Path, help="also write the cells and correlations here")
     parser.add_argument("--file", type=Path, help="the experiment file: also measure the cluster's loop overhead")
@@ -179,7 +186,8 @@ def main() -> None:
     if args.file is not None:
         for key, seconds in overheads(args.cluster, args.experiment, args.file).items():
             print(f"cluster's {key}: " + ("not measured" if seconds is None else f"{seconds:.5f} s"))
-    real, sim = cells(args.cluster, args.experiment), cells(args.sim, args.experiment)
+    real = {k: v for path in args.cluster for k, v in cells(path, args.experiment).items()}
+    sim = {k: v for path in args.sim for k, v in cells(path, args.experiment).items()}
     both = sorted(set(real) & set(sim), key=lambda k: (k[1] or 0, str(k[0])))
     shown = [k for i, k in enumerate(KEY) if k in ("routing", "load") or len({c[i] for c in both}) > 1]
     for side, only in (("cluster", set(real) - set(sim)), ("simulated", set(sim) - set(real))):
@@ -206,11 +214,10 @@ def main() -> None:
         rho = spearman(xs, ys)
         error = statistics.median(abs(x - y) / y for x, y in zip(xs, ys) if y)
         summary[m] = {"spearman": rho, "median_relative_error": error}
-        verdict = (
-            ""
-            if m != "ttft_p90"
-            else f" (target >= {TARGET}: {'MET' if rho is not None and round(rho, 9) >= TARGET else 'MISSED'})"
-        )
+        verdict = ""
+        if m == "ttft_p90":
+            judged = "not judged" if rho is None else "MET" if round(rho, 9) >= TARGET else "MISSED"
+            verdict = f" (target >= {TARGET}: {judged})"
         rho_text = "undefined" if rho is None else f"{rho:.3f}"
         print(f"{m}: Spearman across {len(both)} cells {rho_text}{verdict}; median relative error {error:.1%}")
     if args.json:
