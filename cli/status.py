@@ -1,5 +1,6 @@
 """`slotserve status`: the replicas, their state (starting, serving, draining), health and load,
-the routing policy, and an autoscaled cluster's policy, bounds and last scaling decision."""
+the routing policy, an autoscaled cluster's policy, bounds and last scaling decision, and a
+cluster with prefill and decode pools: each replica's role, the P/D decider and what it decided."""
 
 from __future__ import annotations
 
@@ -44,6 +45,18 @@ def autoscaler_lines(autoscaler: AutoscalerStatus | None) -> list[str]:
     return lines
 
 
+def pools_lines(router: dict) -> list[str]:
+    """The P/D decider and how many requests it sent each way (nothing without pools)."""
+    if "roles" not in router:
+        return []
+    roles = router["roles"]
+    pools = {role: sorted(r for r in roles if roles[r] == role) for role in ("prefill", "decode")}
+    return [
+        f"pools: prefill {', '.join(pools['prefill'])}; decode {', '.join(pools['decode'])}  "
+        f"decider: {router['pd_decider']}  disaggregated: {router['disaggregated']}  colocated: {router['colocated']}"
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     from cluster.client import connect
     from cluster.deploy import cluster_status
@@ -57,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         f"{router.get('rejected', 0)}"
     )
     autoscaler = status["autoscaler"]
-    for line in autoscaler_lines(autoscaler):
+    for line in autoscaler_lines(autoscaler) + pools_lines(router):
         print(line)
     states = replica_states(router, autoscaler)
     print(

@@ -127,7 +127,7 @@ def pd_spec(store, replica: ReplicaConfig = FAKE, threshold: int = THRESHOLD) ->
     )
 
 
-def test_disaggregated_outputs_equal_colocated_and_transfers_are_recorded(local_ray):
+def test_disaggregated_outputs_equal_colocated_and_transfers_are_recorded(local_ray, capsys):
     """The same 16 prompts on one colocated replica and on 1 prefill + 1 decode replica give
     the same tokens (the fake's undisturbed sequences); each prompt from the threshold up was
     handed over with its K/V (tokens x the fake's bytes per token, fetched in measured
@@ -158,6 +158,14 @@ def test_disaggregated_outputs_equal_colocated_and_transfers_are_recorded(local_
         assert move.kv_bytes == len(p) * DEFAULT_KV_BYTES_PER_TOKEN and 0 < move.kv_seconds < 30, move
     status = ray.get(deployment.router.status.remote())
     assert status["disaggregated"] == sum(len(p) >= THRESHOLD for p in ps) and status["colocated"] > 0
+    from cli.main import main
+
+    capsys.readouterr()
+    assert main(["status"]) == 0  # `slotserve status` names the pools and counts what the decider did
+    assert (
+        f"pools: prefill replica-0; decode replica-1  decider: threshold  disaggregated: {status['disaggregated']}  "
+        f"colocated: {status['colocated']}" in capsys.readouterr().out
+    )
 
     workload = bursty_mix(num_requests=24, rate=50.0, seed=3)
     run_id = run_workload(
