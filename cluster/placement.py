@@ -124,9 +124,12 @@ class Placer:
         """Route and submit the flight, going on past replicas that are dead or draining, at
         most MAX_ATTEMPTS placements in all; raises the typed error that refused it. A new
         request (`moved_from` None) refused as overloaded fails at once (its caller decides);
-        a moved one waits for room (see the module docstring)."""
-        patience = None if moved_from is None else time.monotonic() + MOVE_WAIT_SECONDS
+        once moved, here or before, it waits for room (see the module docstring)."""
+        patience = None  # from its first move on (this call's, or one made here: a prefill
+        # replica's hand-over, a replica gone or draining), it may wait MOVE_WAIT_SECONDS for room
         while True:
+            if moved_from is not None and patience is None:
+                patience = time.monotonic() + MOVE_WAIT_SECONDS
             if flight.closed:
                 raise ClusterError(f"request {flight.request_id!r} was left by its caller")
             flight.attempts += 1

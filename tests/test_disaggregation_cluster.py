@@ -207,6 +207,21 @@ def test_expired_hand_overs_are_computed_again(local_ray):
         assert move.kv_bytes == 0 and move.kv_seconds is not None and "computed again" in move.reason, move
 
 
+def test_a_hand_over_waits_for_the_decode_replica_ray_restarts(local_ray):
+    """Long prompts sent while the only decode replica is down (killed, Ray restarting it) are
+    prefilled and handed over; once handed over a request is a moved one, so the router's
+    refusal ("no decode-pool replica is up") makes it wait for the restarted replica instead of
+    failing as a new request would, and every output is the undisturbed one."""
+    ps = [p for p in prompts(8, seed=7) if len(p) >= THRESHOLD][:3]
+    deployment = start_cluster(pd_spec(local_ray / "s.db"))
+    ray.kill(deployment.replicas["replica-1"], no_restart=False)
+    ray.get(deployment.router.replica_lost.remote("replica-1", "killed by the test"))
+    results = serve(ps, 10)
+    assert [r.token_ids for r in results] == expected(ps, 10)
+    for r in results:
+        assert r.replica_id == "replica-1" and r.migrations[0].from_replica == "replica-0", r.migrations
+
+
 @pytest.mark.timeout(600)
 def test_a_decode_replica_killed_during_hand_overs_loses_no_request(local_ray):
     """60 long-prompt requests streamed through 1 prefill + 1 decode replica; the decode
