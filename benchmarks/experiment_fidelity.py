@@ -33,6 +33,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks.fidelity import spearman
+from experiments.pools_report import KNOBS
 from metrics.definitions import SLO
 from metrics.goodput_report import analyze
 from metrics.store import MetricsStore
@@ -41,7 +42,6 @@ from sim.cost_model import MAX_LOOP_GAP, step_overhead
 
 # a cell without its seed
 KEY = ("routing", "load", "batching", "slots", "token_budget", "workload", "pools", "scaling")
-KNOBS = ("token_budget", "slots", "pools")  # what colocated and split cells are each tuned over (`winners`)
 METRICS = {
     "ttft_p90": lambda a: a["cluster"]["ttft"]["p90"],
     "ttft_p50": lambda a: a["cluster"]["ttft"]["p50"],
