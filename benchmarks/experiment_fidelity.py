@@ -4,14 +4,18 @@ cluster (`slotserve experiment FILE --store CLUSTER.db`) set against its simulat
 stores (an experiment run in parts), read as one.
 
 A cell is a (routing, load) pair (and its batching, slots, token budget, workload,
-prefill/decode split and scaling when the file sweeps them); its figure is the median over its
-seeds' complete runs, read with the SLO each run was recorded with. Cells run on only one side
-(Ray Serve's routers have no simulated twin) are listed and left out of the comparison. Prints
+prefill/decode split and scaling when the file sweeps them); its figure is the median over the
+seeds both sides ran (each seed's latest complete run), read with the SLO each run was recorded
+with. Cells run on only one side (Ray Serve's routers have no simulated twin) are listed and
+left out of the comparison. Prints
 per cell simulated against cluster TTFT p90 and p50 and goodput, then the Spearman rank
 correlation of each metric across the cells both sides ran (average ranks for ties; target for
 TTFT p90: at least 0.9; not judged on fewer than 3 cells), and the median relative error for
 information. Where the cells split the replicas into prefill and decode pools, it also says per
 point of the sweep whether both sides name the same winner, colocated or split (`winners`).
+Where the cells size their cluster (`sweep.autoscale`), it also sets per cell the simulated
+replica-seconds and SLO attainment against the cluster's (`SCALED_TARGETS`: within 10% and
+3 points).
 
 With `--file` (the experiment file, whose cost model its fake replicas paid, one cost_scale for
 all) it also prints what the cluster spent outside its steps, the figures the file's `[cluster]
@@ -34,6 +38,7 @@ from pathlib import Path
 
 from benchmarks.fidelity import spearman
 from experiments.pools_report import KNOBS
+from experiments.scaling_report import replica_timeline
 from metrics.definitions import SLO
 from metrics.goodput_report import analyze
 from metrics.store import MetricsStore
@@ -47,6 +52,8 @@ METRICS = {
     "ttft_p50": lambda a: a["cluster"]["ttft"]["p50"],
     "goodput": lambda a: a["cluster"]["goodput"],
 }
+# a sized cell's replica-seconds within this relative error, its SLO attainment within these points
+SCALED_TARGETS = {"replica_seconds": 0.10, "slo_attainment": 3.0}
 TARGET = 0.9  # Spearman of TTFT p90 across the cells (read to 9 digits: one swap in five cells, exactly
 # the target, comes out of the correlation of ranks an ulp under it)
 
@@ -55,10 +62,10 @@ TARGET = 0.9  # Spearman of TTFT p90 across the cells (read to 9 digits: one swa
 BURST_GAP = 0.001
 
 
-def cells(path: Path, experiment: str) -> dict[tuple, dict[str, float]]:
-    """Per cell of `experiment` in the store, the median over its complete runs of each metric."""
+def runs_by_cell(path: Path, experiment: str) -> dict[tuple, dict[int, dict[str, float]]]:
+    """Per cell of `experiment` in the store, each seed's figures (its latest complete run)."""
     store = MetricsStore(path)
-    runs: dict[tuple, list[dict[str, float]]] = {}
+    runs: dict[tuple, dict[int, dict[str, float]]] = {}
     try:
         for run in store.runs():
             config = run["config"] or {}
@@ -66,11 +73,38 @@ def cells(path: Path, experiment: str) -> dict[tuple, dict[str, float]]:
                 continue
             a = analyze(store, run["run_id"], SLO(**(run["slo"] or {})))
             key = tuple(config["cell"].get(k, "") for k in KEY)  # a store from before pools and scaling has neither
-            runs.setdefault(key, []).append({m: f(a) for m, f in METRICS.items()})
+            figures = {m: f(a) for m, f in METRICS.items()}
+            if config.get("scaling"):
+                figures["replica_seconds"] = replica_timeline(store, run["run_id"]).replica_seconds
+                figures["slo_attainment"] = 100 * a["cluster"]["slo_attainment"]
+            runs.setdefault(key, {})[run["seed"]] = figures
     finally:
         store.close()
+    return runs
+
+
+def medians(by_seed: dict[int, dict[str, float]], seeds: set[int]) -> dict[str, float]:
+    """Each figure's median over `seeds` (a cell is set against its twin on the seeds both ran)."""
+    runs = [f for s, f in by_seed.items() if s in seeds]
+    return {m: statistics.median(r[m] for r in runs if r.get(m) is not None) for m in runs[0]}
+
+
+def cells(path: Path, experiment: str) -> dict[tuple, dict[str, float]]:
+    """Per cell of `experiment` in the store, the median over its seeds of each figure."""
+    return {key: medians(by_seed, set(by_seed)) for key, by_seed in runs_by_cell(path, experiment).items()}
+
+
+def scaled(sim: dict[str, float], real: dict[str, float]) -> dict[str, tuple[float, bool]] | None:
+    """A sized cell's simulated replica-seconds (relative error) and SLO attainment (points)
+    against the cluster's, each with whether it is within `SCALED_TARGETS`; None for a cell that
+    does not size its cluster."""
+    if "replica_seconds" not in sim or "replica_seconds" not in real:
+        return None
+    seconds = (sim["replica_seconds"] - real["replica_seconds"]) / real["replica_seconds"]
+    points = sim["slo_attainment"] - real["slo_attainment"]
     return {
-        key: {m: statistics.median(r[m] for r in rs if r[m] is not None) for m in METRICS} for key, rs in runs.items()
+        "replica_seconds": (seconds, abs(seconds) <= SCALED_TARGETS["replica_seconds"]),
+        "slo_attainment": (points, abs(points) <= SCALED_TARGETS["slo_attainment"]),
     }
 
 
@@ -186,9 +220,20 @@ def main() -> None:
     if args.file is not None:
         for key, seconds in overheads(args.cluster, args.experiment, args.file).items():
             print(f"cluster's {key}: " + ("not measured" if seconds is None else f"{seconds:.5f} s"))
-    real = {k: v for path in args.cluster for k, v in cells(path, args.experiment).items()}
-    sim = {k: v for path in args.sim for k, v in cells(path, args.experiment).items()}
-    both = sorted(set(real) & set(sim), key=lambda k: (k[1] or 0, str(k[0])))
+    sides: list[dict[tuple, dict[int, dict[str, float]]]] = [{}, {}]
+    for side, paths in zip(sides, (args.cluster, args.sim)):
+        for path in paths:
+            for key, by_seed in runs_by_cell(path, args.experiment).items():
+                side.setdefault(key, {}).update(by_seed)
+    both = sorted(
+        (k for k in set(sides[0]) & set(sides[1]) if set(sides[0][k]) & set(sides[1][k])),
+        key=lambda k: (k[1] or 0, str(k[0])),
+    )
+    real = {k: medians(v, set(v)) for k, v in sides[0].items()}
+    sim = {k: medians(v, set(v)) for k, v in sides[1].items()}
+    for k in both:  # set against each other on the seeds both ran
+        common = set(sides[0][k]) & set(sides[1][k])
+        real[k], sim[k] = medians(sides[0][k], common), medians(sides[1][k], common)
     shown = [k for i, k in enumerate(KEY) if k in ("routing", "load") or len({c[i] for c in both}) > 1]
     for side, only in (("cluster", set(real) - set(sim)), ("simulated", set(sim) - set(real))):
         if only:
@@ -203,6 +248,16 @@ def main() -> None:
         print(f"{label(k, shown):<{width}}{s['ttft_p90']:>14.3f}{r['ttft_p90']:>9.3f}", end="")
         error = f"{(s['goodput'] - r['goodput']) / r['goodput']:+.1%}" if r["goodput"] else "-"
         print(f"{s['ttft_p50']:>9.3f}{r['ttft_p50']:>9.3f}{s['goodput']:>13.1f}{r['goodput']:>9.1f}{error:>8}")
+    for k in both:
+        if (errors := scaled(sim[k], real[k])) is not None:
+            (seconds, s_ok), (points, p_ok) = errors["replica_seconds"], errors["slo_attainment"]
+            print(
+                f"{label(k, shown)}: replica-s {sim[k]['replica_seconds']:.0f} simulated, "
+                f"{real[k]['replica_seconds']:.0f} cluster ({seconds:+.1%}, {'within' if s_ok else 'NOT within'} "
+                f"{SCALED_TARGETS['replica_seconds']:.0%}); SLO met {sim[k]['slo_attainment']:.1f}% simulated, "
+                f"{real[k]['slo_attainment']:.1f}% cluster ({points:+.1f} points, {'within' if p_ok else 'NOT within'} "
+                f"{SCALED_TARGETS['slo_attainment']:g})"
+            )
     sides = [winners({k: sim[k] for k in both}), winners({k: real[k] for k in both})]
     for point in sides[1]:
         where = label(point, [k for k in shown if k not in KNOBS])

@@ -11,9 +11,9 @@ import ray
 
 from cli.help import RawDescriptionDefaultsHelpFormatter
 from experiments.experiment_report import against_serve, format_summary, prefix_ceilings, summarize_runs, write_report
-from experiments.plan import plan_experiment
+from experiments.plan import Plan, plan_experiment
 from experiments.pools_report import against_colocated
-from experiments.run import run_experiment
+from experiments.run import ExperimentResult, collect_experiment, run_experiment
 from experiments.scaling_report import against_static
 from metrics.store import DEFAULT_STORE
 from replica.errors import ConfigError
@@ -24,6 +24,7 @@ def _command(args: argparse.Namespace) -> str:
     """The command line that made a report, as a user would type it."""
     words = ["slotserve", "experiment", str(args.file)]
     words += ["--simulate"] * args.simulate
+    words += ["--from-store"] * args.from_store
     for flag, value in (("--store", args.store), ("--out", args.out), ("--address", args.address)):
         if value is not None and not (flag == "--store" and value == DEFAULT_STORE):
             words += [flag, str(value)]
@@ -57,16 +58,20 @@ def run(args: argparse.Namespace) -> int:
         for cell in plan.cells:
             print(f"  {cell.label}")
         return 0
-    try:
-        result = run_experiment(plan, simulate=args.simulate, store_path=args.store, address=args.address)
-    except KeyboardInterrupt:
-        print(
-            "slotserve: experiment interrupted; the run in progress is marked 'aborted' in the store", file=sys.stderr
-        )
-        return 130
-    finally:
-        if not args.simulate and ray.is_initialized():
-            ray.shutdown()
+    if args.from_store:
+        result = _collected(args, plan)
+    else:
+        try:
+            result = run_experiment(plan, simulate=args.simulate, store_path=args.store, address=args.address)
+        except KeyboardInterrupt:
+            print(
+                "slotserve: experiment interrupted; the run in progress is marked 'aborted' in the store",
+                file=sys.stderr,
+            )
+            return 130
+        finally:
+            if not args.simulate and ray.is_initialized():
+                ray.shutdown()
     rows = summarize_runs(result)
     print(format_summary(rows))
     comparisons = against_serve(rows) + prefix_ceilings(result, rows) + against_static(result, rows)
@@ -76,6 +81,24 @@ def run(args: argparse.Namespace) -> int:
     report = write_report(result, rows, out, _command(args))
     print(f"runs {', '.join(str(r) for _, r in result.runs)} in {Path(args.store).resolve()}; report: {report}")
     return 0
+
+
+def _collected(args: argparse.Namespace, plan: Plan) -> ExperimentResult:
+    """--from-store: the runs the store holds for the file's cells; the cells without one are named."""
+    kind = "simulated" if args.simulate else "cluster"
+    if not Path(args.store).is_file():
+        raise ConfigError(f"--from-store: no store at {args.store}")
+    result, missing = collect_experiment(plan, simulate=args.simulate, store_path=args.store)
+    if not result.runs:
+        raise ConfigError(
+            f"--from-store: {args.store} holds no complete {kind} run of {args.file}'s cells "
+            f"(run names '{plan.experiment.name} <cell>'; --dry-run lists the cells)"
+        )
+    if missing:
+        print(f"{args.file}: {len(missing)} of {len(plan.cells)} cells have no complete {kind} run in {args.store}:")
+        for cell in missing:
+            print(f"  left out: {cell.label}")
+    return result
 
 
 EXAMPLE = """\
@@ -158,6 +181,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="replace the file's sweep.load (multiples of the measured capacity), e.g. to rerun one load",
     )
     p.add_argument("--dry-run", action="store_true", help="check the file and list its cells; run nothing")
+    p.add_argument(
+        "--from-store",
+        action="store_true",
+        help="run nothing: report the file's cells from their latest complete runs in --store (simulated "
+        "ones with --simulate), e.g. cells run in pieces; cells without a run are named and left out",
+    )
     p.add_argument(
         "--allow-outside-paths",
         action="store_true",

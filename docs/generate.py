@@ -231,7 +231,11 @@ def hardware(path: Path) -> str:
 def report_header(path: Path) -> dict[str, str]:
     """What an experiment report says about how it was made."""
     text = path.read_text()
-    made = re.search(r"Made by `(?P<cmd>[^`]+)` on (?P<date>[\d-]+), commit `(?P<commit>[^`]+)`", text)
+    made = re.search(
+        r"(?:Made|Written) by `(?P<cmd>[^`]+)` on (?P<date>[\d-]+)"
+        r"(?:, commit| from the runs the store holds, made at commit) `(?P<commit>[^`]+)`",
+        text,
+    )
     cluster = re.search(r"^- Cluster: (.*)$", text, re.M)
     machine = re.search(r"^- Machine: (.*)$", text, re.M)
     if not (made and cluster and machine):

@@ -82,6 +82,12 @@ class SummaryRow:
     cell: Cell  # the first seed's
     run_ids: list[int] = field(default_factory=list)
     values: dict[str, list[float]] = field(default_factory=dict)
+    seeds: list[int] = field(default_factory=list)  # each run's, in `run_ids`' order
+
+    def per_seed(self, key: str) -> dict[int, float]:
+        """A figure every run has (goodput, SLO attainment) by seed: two rows are set against
+        each other on the seeds both ran, the same traffic."""
+        return dict(zip(self.seeds, self.values[key], strict=True))
 
     def cell_text(self, key: str) -> str:
         values = self.values[key]
@@ -104,6 +110,7 @@ def summarize_runs(result: ExperimentResult) -> list[SummaryRow]:
         for cell, run_id in result.runs:
             row = rows.setdefault(cell.row, SummaryRow(cell, values={k: [] for k in keys}))
             row.run_ids.append(run_id)
+            row.seeds.append(cell.seed)
             a = analyze(store, run_id, slo)
             kept = ("prefix_hit_rate", "imbalance", "regret", "ttft_prediction", "index_staleness")
             scope = {**a["cluster"], **{k: a[k] for k in kept}, "transfer": transfer_seconds(store, run_id)}
@@ -324,6 +331,7 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
     store = MetricsStore(result.store_path)
     try:
         first = store.run(result.runs[0][1])
+        commits = dict.fromkeys(store.run(run_id)["git_commit"] for _, run_id in result.runs)
     finally:
         store.close()
     c, slo = experiment.cluster, experiment.slo
@@ -361,7 +369,11 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
         "",
         experiment.description.strip(),
         "",
-        f"Made by `{command}` on {time.strftime('%Y-%m-%d')}, commit `{first['git_commit']}`.",
+        f"Written by `{command}` on {time.strftime('%Y-%m-%d')} from the runs the store holds, made at commit "
+        + ", ".join(f"`{c}`" for c in commits)
+        + "."
+        if result.collected
+        else f"Made by `{command}` on {time.strftime('%Y-%m-%d')}, commit `{first['git_commit']}`.",
         "",
         f"- Machine: {machine_line(first['machine'] or {})}",
         f"- Cluster: {c.replicas} replicas{sizing}, {model}, max_seq_len {c.max_seq_len}, {c.dtype}"

@@ -36,7 +36,8 @@ def against_colocated(result: ExperimentResult, rows: list[Row]) -> list[str]:
         best = {k: max(by_kind[k], key=_goodput) for k in (False, True)}
         split_wins = _goodput(best[True]) > _goodput(best[False])
         ahead, behind = best[split_wins], best[not split_wins]
-        seeds = list(zip(ahead.values["goodput"], behind.values["goodput"]))
+        theirs = behind.per_seed("goodput")
+        seeds = [(a, theirs[s]) for s, a in ahead.per_seed("goodput").items() if s in theirs]
         verdict = ""
         if len(seeds) > 1:
             verdict = "; holds on every seed" if all(a > b for a, b in seeds) else "; does not hold on every seed"

@@ -1,8 +1,10 @@
 """Run an experiment's plan: every cell once, on the simulator or on a Ray cluster, one run
-in the store each (`experiments.experiment_report` turns them into a table and a report)."""
+in the store each (`experiments.experiment_report` turns them into a table and a report), or
+collect the runs its cells already have in a store, to report them again."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -22,6 +24,7 @@ class ExperimentResult:
     runs: list[tuple[Cell, int]] = field(default_factory=list)  # in the order they ran
     capacities: dict[int, Capacity] = field(default_factory=dict)  # slots per replica -> measured capacity
     vocab_size: int | None = None  # the replicas' vocabulary (prompts are drawn from it), once capacity is measured
+    collected: bool = False  # its runs were found in the store (`collect_experiment`), not run now
 
 
 def run_experiment(
@@ -52,13 +55,14 @@ def run_experiment(
             capacity = result.capacities[cell.slots]
             workload = plan.workload(cell, capacity)
             replicas = plan.num_replicas(cell, workload, capacity)
-            name = f"{experiment.name} {cell.label}"
+            name = run_name(plan, cell)
             scaling = plan.scaling(cell)
             config = {
                 "experiment": experiment.name,
                 "experiment_file": str(experiment.path.resolve()),
                 "cell": asdict(cell),
                 **capacity.as_params(),
+                "vocab_size": result.vocab_size,
                 "cluster": experiment.cluster.model_dump(),
                 "workload": workload.describe(),
                 "workload_params": workload.params,
@@ -77,6 +81,37 @@ def run_experiment(
         backend.close()
         store.close()
     return result
+
+
+def run_name(plan: Plan, cell: Cell) -> str:
+    """A cell's run name in the store: unique in its experiment, and how its run is found again."""
+    return f"{plan.experiment.name} {cell.label}"
+
+
+def collect_experiment(plan: Plan, *, simulate: bool, store_path: str | Path) -> tuple[ExperimentResult, list[Cell]]:
+    """The result of `plan`'s cells from the runs a store already holds, each cell's latest
+    complete run of its name (simulated, or on a cluster, as `simulate` says): a report written
+    again, or one over cells run in pieces (the file cut to some of its rows, one seed at a
+    time). Returns the cells that have no such run apart; the report leaves them out."""
+    store = MetricsStore(store_path)
+    try:
+        latest = {r["name"]: r for r in store.runs() if r["status"] == "complete" and bool(r["simulated"]) == simulate}
+    finally:
+        store.close()
+    result, missing = ExperimentResult(plan, simulate, Path(store_path), collected=True), []
+    for cell in plan.cells:
+        run = latest.get(run_name(plan, cell))
+        if run is None:
+            missing.append(cell)
+            continue
+        config = run["config"]
+        result.capacities.setdefault(
+            cell.slots,
+            Capacity(config["capacity_tokens_per_s"], config.get("capacity_prefill_tokens_per_s", math.inf)),
+        )
+        result.vocab_size = result.vocab_size or config.get("vocab_size")
+        result.runs.append((cell, run["run_id"]))
+    return result, missing
 
 
 def _end_unfinished(store: MetricsStore, name: str, since: int, status: str) -> None:

@@ -139,7 +139,11 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class StepPricing:
     """How a replica's steps are priced, as its load reports tell a router: its cost model,
-    and the tokens one step may run (`token_budget`; None: a prompt is prefilled in one step)."""
+    the tokens one step may run (`token_budget`; None: a prompt is prefilled in one step), and
+    the serving loop's own seconds between two steps run back to back that the cost model
+    leaves out (`loop_overhead`: a stated model prices a step's work alone; a measured one,
+    timed from one step's start to the next's, has it in already)."""
 
     cost: LinearCostModel
     token_budget: int | None
+    loop_overhead: float = 0.0

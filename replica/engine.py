@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from protocol.clock import Clock, WallClock
@@ -26,7 +26,7 @@ from protocol.records import StepRecord
 from protocol.replicas import Resume
 from replica.config import EngineConfig
 from replica.errors import ConfigError, InvalidRequestError, InvariantViolation, RequestTooLongError
-from replica.pricing import MeasuredPricing
+from replica.pricing import LoopGap, MeasuredPricing
 from replica.scheduling.handover import KvTransfer, can_export
 from replica.scheduling.policies import make_scheduler
 from replica.scheduling.request import FinishReason, Request, SamplingParams
@@ -111,6 +111,7 @@ class Engine:
         budget = self.config.token_budget if self.scheduler.reads_token_budget else None
         self.stated_pricing = None if cost is None else StepPricing(cost, budget)
         self.measured_pricing = MeasuredPricing(budget) if cost is None else None
+        self.loop_gap = LoopGap() if cost is not None else None  # what the stated prices leave out
         self.requests: dict[str, Request] = {}  # unfinished ones
         self._ids = itertools.count()
         self._steps = itertools.count()
@@ -285,7 +286,11 @@ class Engine:
     @property
     def pricing(self) -> StepPricing | None:
         """Its step prices as its load reports state them (None: a real model not yet measured)."""
-        return self.stated_pricing if self.measured_pricing is None else self.measured_pricing.pricing
+        if self.measured_pricing is not None:
+            return self.measured_pricing.pricing
+        if self.stated_pricing is None or self.loop_gap is None:
+            return self.stated_pricing
+        return replace(self.stated_pricing, loop_overhead=self.loop_gap.seconds)
 
     def step(self) -> StepResult:
         out = self.scheduler.schedule()
@@ -308,6 +313,8 @@ class Engine:
         record = self._record(out, start, live_slots)
         if self.measured_pricing is not None:  # steps that ran only: a failed one's time says nothing
             self.measured_pricing.observe(record, goes_on=self.has_unfinished)
+        if self.loop_gap is not None:
+            self.loop_gap.observe(record, goes_on=self.has_unfinished)
         return StepResult(outputs, record)
 
     def _record(self, out: SchedulerOutput, start: float, live_slots: int) -> StepRecord:

@@ -13,7 +13,9 @@ fitted as free). A step the loop went on from at once is timed from its start to
 step's start, so the serving loop's own work between steps (scheduling, sampling, streaming) is
 priced with it, as the router's walk of the queue, one step after another, needs; a step after
 which the engine had nothing left, or the loop waited, is timed by its own duration. Until
-`min_samples` steps are in, the replica reports no pricing and the router uses its fallback."""
+`min_samples` steps are in, the replica reports no pricing and the router uses its fallback.
+A fake runner's stated prices leave that loop work out: `LoopGap` measures it beside them, and
+the engine states it with them (`StepPricing.loop_overhead`)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from collections import deque
 from protocol.cost import MAX_LOOP_GAP, LinearCostModel, StepFeatures, StepPricing, fit_linear_cost
 from protocol.records import StepRecord
 
+LOOP_GAP_WEIGHT = 0.05  # weight of each new gap in the running mean: a few dozen steps, steady against one stall
 WINDOW = 512  # recent steps a fit reads, of each kind: enough to see the mixes, short enough to follow a change
 MIN_SAMPLES = 32  # steps before the first fit
 REFIT_EVERY = 32  # steps between fits
@@ -65,3 +68,26 @@ class MeasuredPricing:
 
     def fit(self) -> LinearCostModel:
         return fit_linear_cost(list(itertools.chain(self.prefills, self.decodes)))
+
+
+class LoopGap:
+    """The serving loop's own seconds between two steps run back to back (from one step's end
+    to the next one's start: its tokens out, the load report, the inbox, a fake step's sleep
+    overshoot), a running mean; 0 until two such steps have run. A gap after which the engine
+    had nothing left, or of `MAX_LOOP_GAP` or more (an idle wait), is not the loop's work."""
+
+    def __init__(self, weight: float = LOOP_GAP_WEIGHT):
+        self.weight = weight
+        self.seconds = 0.0
+        self._seen = False
+        self._last: tuple[StepRecord, bool] | None = None
+
+    def observe(self, step: StepRecord, goes_on: bool) -> None:
+        """Record a step (`goes_on`: the engine had work left after it)."""
+        last, self._last = self._last, (step, goes_on)
+        if last is None or not last[1]:
+            return
+        gap = step.start - (last[0].start + last[0].duration)
+        if 0 <= gap < MAX_LOOP_GAP:
+            self.seconds = gap if not self._seen else self.seconds + self.weight * (gap - self.seconds)
+            self._seen = True

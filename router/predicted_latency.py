@@ -20,8 +20,10 @@ both ways: a row that has outlived its estimate, as outputs with a heavy tail of
 step from its end, and rows that each look long hide that one of them is likely to end soon. The
 walk starts at that report, so the steps since then count as past. Each step is priced by the
 replica's own cost model (`protocol.cost.StepPricing`, on its load reports), so replicas of
-different speeds are told apart from their first report; a real model reports the prices it
-measured from its own steps (`replica.pricing`) once it has run a few dozen, and until then is
+different speeds are told apart from their first report, and followed by the serving loop's
+own time between steps where the replica states it apart (a fake one, whose stated prices are
+a step's work alone); a real model reports the prices it measured from its own steps, the
+loop's time within them (`replica.pricing`), once it has run a few dozen, and until then is
 priced by `DEFAULT_PRICING`, which its correction scales to its speed.
 
 The corrections: each replica's reports say how long its requests waited for their first token
@@ -39,7 +41,7 @@ decode its reports show: a request's time per token over its first `TPOT_STEPS` 
 the first, read off two reports' `tokens_made`, against the TPOT predicted at its dispatch.
 The walk sees only the requests already routed, so it misses what decode pays for the prompts
 routed there while the request runs (each prefill chunk lengthens a step of every running
-row) and the serving loop's own time per step; a replica whose decode is near the TPOT limit
+row); a replica whose decode is near the TPOT limit
 (a slow one) passes the filter on the walk alone and then misses it. Until a replica has
 shown a TPOT, its TTFT correction stands in for both (a replica that reports no pricing is
 slower or faster as a whole). The predicted TTFT of the chosen replica is what the decision
@@ -355,6 +357,7 @@ def _walk(pricing: StepPricing, slots: int, rows: list[_Row], new: _Row, age: fl
                 decoded += 1
             if decoded >= TPOT_STEPS or new.decode_left <= 0:
                 break
+        elapsed += pricing.loop_overhead  # the serving loop's own work before the next step
         queue = [r for r in queue if r.decode_left > 0]
     # on a replica whose slots were all held, the wait for one counts from now (its end is a
     # guess at the lengths ahead), even when a slot is predicted to free as it joins

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from autoscaling.policies import AutoscaleConfig
+from benchmarks.experiment_fidelity import cells as fidelity_cells
+from benchmarks.experiment_fidelity import scaled as fidelity_errors
 from experiments.experiment_report import summarize_runs, write_report
 from experiments.plan import StaticSize, plan_experiment
 from experiments.run import run_experiment
@@ -194,6 +196,16 @@ def test_a_simulated_autoscaling_experiment_starts_at_min_and_accounts_every_rep
         assert max(v for v in p90 if v is not None) >= min(v for v in p90 if v is not None) > 0
     finally:
         store.close()
+
+    # the fidelity check reads a sized cell's cost and attainment back as the report does, and judges them
+    figures = {key[-1]: f for key, f in fidelity_cells(store_path, "autoscaling-test").items()}
+    mine = figures["predictive"]
+    assert mine["replica_seconds"] == pytest.approx(timeline.replica_seconds)
+    assert mine["slo_attainment"] == pytest.approx(by_label["predictive"].values["slo_attainment"][0])
+    off = {**mine, "replica_seconds": 1.15 * mine["replica_seconds"], "slo_attainment": mine["slo_attainment"] - 2}
+    errors = fidelity_errors(off, mine)
+    assert errors["replica_seconds"] == (pytest.approx(0.15), False)
+    assert errors["slo_attainment"] == (pytest.approx(-2.0), True)
 
 
 def _slo(plan):

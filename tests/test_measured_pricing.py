@@ -1,7 +1,8 @@
 """A real replica's step prices, fitted to its own steps (`replica.pricing`): they recover the
 cost its steps really follow, count the serving loop's work between busy steps and not an idle
 wait, and reach its load reports once enough steps are in, where a fake replica keeps the
-prices it states. Pure objects on a fake clock."""
+prices it states, with the loop work between its steps measured beside them. Pure objects on a
+fake clock."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ from dataclasses import dataclass
 import pytest
 
 from protocol.clock import FakeClock
-from protocol.cost import LinearCostModel, StepFeatures
+from protocol.cost import LinearCostModel, StepFeatures, StepPricing
 from protocol.records import StepRecord
 from replica.config import EngineConfig
 from replica.engine import Engine
 from replica.model.fake import ScriptedFakeRunner
-from replica.pricing import MIN_SAMPLES, MeasuredPricing
+from replica.pricing import MIN_SAMPLES, LoopGap, MeasuredPricing
 
 TRUE = LinearCostModel(c0=0.02, c_decode=0.002, c_prefill=0.0004, c_ctx=1e-6, c_held=0.0)
 
@@ -115,3 +116,28 @@ def test_a_fake_replica_keeps_the_prices_it_states():
     engine = _engine(TRUE)
     assert engine.measured_pricing is None
     assert engine.load_report("r0").pricing.cost == TRUE
+
+
+def test_a_fake_replica_states_its_prices_with_the_loop_work_between_its_steps():
+    """Stated prices cover a step's work alone: the loop's own time between steps run back to
+    back is measured beside them (`LoopGap`) and stated with them on the load report; a gap
+    the engine had nothing to do before, or an idle wait, is not loop work."""
+    gap = LoopGap()
+    for step in _steps(40, gap=0.003):
+        gap.observe(step, goes_on=True)
+    assert gap.seconds == pytest.approx(0.003)
+    for goes_on, wait in ((False, 0.003), (True, 1.0)):
+        other = LoopGap()
+        for step in _steps(40, gap=wait):
+            other.observe(step, goes_on=goes_on)
+        assert other.seconds == 0.0
+
+    clock = FakeClock()
+    config = EngineConfig(policy="chunked", num_slots=2, max_seq_len=64, token_budget=32)
+    engine = Engine(config, ScriptedFakeRunner(clock, TRUE), clock)
+    engine.add_request(list(range(20)), {"max_tokens": 6, "ignore_eos": True}, request_id="a", arrival_time=0.0)
+    for _ in range(4):
+        engine.step()
+        clock.sleep(0.002)  # the serving loop's own work after each step
+    report = engine.load_report("r0")
+    assert report.pricing == StepPricing(TRUE, 32, loop_overhead=pytest.approx(0.002))

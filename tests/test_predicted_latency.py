@@ -132,6 +132,22 @@ def test_prediction_prices_the_queue_and_the_replica_speed():
     assert model.predict_raw(request, busy).ttft == pytest.approx(4 * 0.01 + 800 * 0.0005 + 6 * 0.001)
 
 
+def test_the_loop_work_a_replica_states_is_paid_between_the_steps_ahead():
+    """A replica whose reports state the serving loop's own time between steps (a fake one's
+    prices leave it out) has it added after every step the walk runs before the new prompt's
+    first token, and not after that step: three prompts ahead, four steps, three gaps."""
+    model = LatencyModel()
+    request = RouteRequest("new", prompt_len=200, max_tokens=8)
+    gap = 0.004
+    for i in range(3):
+        model.dispatched(RouteRequest(f"q{i}", 200, 8), "a", now=0.1, expected_output=8.0)
+    plain = ReplicaView("a", 3, _report("a", 0.0, StepPricing(STEP, 256)), 0.0)
+    looped = ReplicaView("a", 3, _report("a", 0.0, StepPricing(STEP, 256, loop_overhead=gap)), 0.0)
+    assert model.predict_raw(request, looped).ttft == pytest.approx(model.predict_raw(request, plain).ttft + 3 * gap)
+    idle = ReplicaView("b", 0, _report("b", 0.0, StepPricing(STEP, 256, loop_overhead=gap)), 0.0)
+    assert model.predict_raw(request, idle).ttft == pytest.approx(0.01 + 200 * 0.0005)
+
+
 def test_rows_past_their_estimate_keep_their_slots_by_the_lengths_seen():
     """Every slot of a replica holds a request that has already made more than the 8 tokens
     expected of it, and the finished outputs seen so far ran to 40 tokens: the new prompt is
