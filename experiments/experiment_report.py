@@ -20,6 +20,7 @@ from pathlib import Path
 from cluster.serve_baseline import SERVE_ROUTERS
 from experiments.plan import AXES, Cell
 from experiments.pools_report import against_colocated
+from experiments.report_plots import SPREAD_NOTE, plot_rows
 from experiments.run import ExperimentResult
 from experiments.scaling_report import SCALING_METRICS, against_static, plot_scaling_timeline, scaling_figures
 from metrics.definitions import SLO
@@ -51,7 +52,6 @@ METRICS: list[tuple[str, str, Callable[[dict], float | None], str]] = [
 # TTFT, or believes what the replicas' caches hold, or where a cell hands requests over with their
 # K/V (prefill/decode pools; the TPOT tail is what a prompt's prefill does to the decodes beside it)
 SHOWN_WHERE = {k: k for k in ("ttft_mape", "index_staleness", "transfer")} | {"tpot_p99": "transfer"}
-SPREAD_NOTE = "median over seeds ± half the min–max range"
 
 
 def _pct(v: float | None) -> float | None:
@@ -209,11 +209,6 @@ def prefix_ceilings(result: ExperimentResult, rows: list[SummaryRow]) -> list[st
     return lines
 
 
-def series_label(cell: Cell, axes: list[str]) -> str:
-    """A row's name in plots: its shown axes but the load."""
-    return " ".join(str(getattr(cell, a)) for a in axes if a != "load" and getattr(cell, a) is not None)
-
-
 def machine_line(machine: dict) -> str:
     parts = [machine.get("hostname"), machine.get("platform"), machine.get("processor")]
     parts += [
@@ -224,110 +219,11 @@ def machine_line(machine: dict) -> str:
     return ", ".join(str(p) for p in parts if p)
 
 
-def _plots(result: ExperimentResult, rows: list[SummaryRow], out: Path) -> list[tuple[str, Path]]:
-    from metrics import plots
-
-    experiment = result.plan.experiment
-    axes = shown_axes(rows)
-    store = MetricsStore(result.store_path)
-    made: list[tuple[str, Path]] = []
-    kind = "simulated" if result.simulated else "real"
-    points = [plots.SweepPoint(series_label(r.cell, axes), r.cell.load, r.values) for r in rows]
-    first_runs = {_run_title(r, axes): r.run_ids[0] for r in rows}  # every row: a plot leaves none out
-    lightest: dict[str, SummaryRow] = {}  # per series, its row at the lowest load: every policy gets a timeline
-    for r in rows:
-        best = lightest.setdefault(series_label(r.cell, axes), r)
-        if (r.cell.load or 0) < (best.cell.load or 0):
-            lightest[series_label(r.cell, axes)] = r
-    timelines = {_run_title(r, axes): r.run_ids[0] for r in lightest.values()}
-    try:
-        for name in experiment.plots:
-            path = out / f"{name}.png"
-            if name == "throughput":
-                made.append(
-                    (
-                        "Throughput and goodput",
-                        plots.plot_sweep(
-                            points,
-                            [("throughput", "throughput (output tok/s)"), ("goodput", "goodput (output tok/s)")],
-                            path,
-                            f"{experiment.name} ({kind}): {SPREAD_NOTE}",
-                        ),
-                    )
-                )
-            elif name == "latency":
-                made.append(
-                    (
-                        "TTFT and ITL p99",
-                        plots.plot_sweep(
-                            points,
-                            [("ttft_p99", "TTFT p99 (s)"), ("itl_p99", "ITL p99 (s)")],
-                            path,
-                            f"{experiment.name} ({kind}): {SPREAD_NOTE}",
-                        ),
-                    )
-                )
-            elif name == "cdf":
-                traces = {_row_title(r, axes): [t for run_id in r.run_ids for t in store.traces(run_id)] for r in rows}
-                made.append(
-                    (
-                        "Latency distributions",
-                        plots.plot_latency_cdfs(traces, path, f"{experiment.name} ({kind}): all seeds pooled"),
-                    )
-                )
-            elif name == "occupancy":
-                made.append(
-                    (
-                        "Per-replica occupancy",
-                        plots.plot_occupancy(
-                            {label: store.steps(run_id) for label, run_id in first_runs.items()},
-                            path,
-                            f"{experiment.name} ({kind}): occupancy per replica, first seed's run",
-                        ),
-                    )
-                )
-            elif name == "slot_timeline":
-                made.append(
-                    (
-                        "Slot timeline",
-                        plots.plot_slot_timelines(
-                            {label: _timeline(store, run_id) for label, run_id in timelines.items()}, path
-                        ),
-                    )
-                )
-    finally:
-        store.close()
-    return made
-
-
-TIMELINE_REQUESTS = 32  # a slot timeline shows the first requests of one replica: a short run
-
-
-def _row_title(row: SummaryRow, axes: list[str]) -> str:
-    return series_label(row.cell, axes) + (f" load {row.cell.load:g}" if row.cell.load is not None else "")
-
-
-def _run_title(row: SummaryRow, axes: list[str]) -> str:
-    return f"{_row_title(row, axes)} (run {row.run_ids[0]})"
-
-
-def _timeline(store: MetricsStore, run_id: int) -> tuple[list, int]:
-    from metrics.plots import slot_spans
-
-    steps = store.steps(run_id)
-    if not steps:
-        return [], 1
-    replica = min(s["replica_id"] for s in steps)
-    mine = [s for s in steps if s["replica_id"] == replica]
-    traces = [t for t in store.traces(run_id) if t.replica == replica]
-    return slot_spans(traces, mine)[:TIMELINE_REQUESTS], mine[0]["num_slots"]
-
-
 def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, command: str) -> Path:
     """`out`/report.md with the table, the command, the machine, the runs and the plots (PNGs in `out`)."""
     experiment = result.plan.experiment
     out.mkdir(parents=True, exist_ok=True)
-    plots = _plots(result, rows, out) + plot_scaling_timeline(result, rows, out)
+    plots = plot_rows(result, rows, shown_axes(rows), out) + plot_scaling_timeline(result, rows, out)
     store = MetricsStore(result.store_path)
     try:
         first = store.run(result.runs[0][1])
