@@ -12,6 +12,14 @@ from experiments.scaling_report import Row
 from metrics.store import MetricsStore
 
 SPREAD_NOTE = "median over seeds ± half the min–max range"
+# the plots of figures against load: name -> (title, its panels as (figure, axis label))
+SWEEPS = {
+    "throughput": (
+        "Throughput and goodput",
+        [("throughput", "throughput (output tok/s)"), ("goodput", "goodput (output tok/s)")],
+    ),
+    "latency": ("TTFT and ITL p99", [("ttft_p99", "TTFT p99 (s)"), ("itl_p99", "ITL p99 (s)")]),
+}
 
 
 def series_label(cell: Cell, axes: list[str]) -> str:
@@ -39,30 +47,10 @@ def plot_rows(result: ExperimentResult, rows: list[Row], axes: list[str], out: P
     try:
         for name in experiment.plots:
             path = out / f"{name}.png"
-            if name == "throughput":
-                made.append(
-                    (
-                        "Throughput and goodput",
-                        plots.plot_sweep(
-                            points,
-                            [("throughput", "throughput (output tok/s)"), ("goodput", "goodput (output tok/s)")],
-                            path,
-                            f"{experiment.name} ({kind}): {SPREAD_NOTE}",
-                        ),
-                    )
-                )
-            elif name == "latency":
-                made.append(
-                    (
-                        "TTFT and ITL p99",
-                        plots.plot_sweep(
-                            points,
-                            [("ttft_p99", "TTFT p99 (s)"), ("itl_p99", "ITL p99 (s)")],
-                            path,
-                            f"{experiment.name} ({kind}): {SPREAD_NOTE}",
-                        ),
-                    )
-                )
+            if name in SWEEPS:  # figures against load, a panel per metric
+                title, panels = SWEEPS[name]
+                subtitle = f"{experiment.name} ({kind}): {SPREAD_NOTE}"
+                made.append((title, plots.plot_sweep(points, panels, path, subtitle)))
             elif name == "cdf":
                 traces = {_row_title(r, axes): [t for run_id in r.run_ids for t in store.traces(run_id)] for r in rows}
                 made.append(
