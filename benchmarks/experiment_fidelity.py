@@ -225,15 +225,10 @@ def main() -> None:
         for path in paths:
             for key, by_seed in runs_by_cell(path, args.experiment).items():
                 side.setdefault(key, {}).update(by_seed)
-    both = sorted(
-        (k for k in set(sides[0]) & set(sides[1]) if set(sides[0][k]) & set(sides[1][k])),
-        key=lambda k: (k[1] or 0, str(k[0])),
-    )
-    real = {k: medians(v, set(v)) for k, v in sides[0].items()}
-    sim = {k: medians(v, set(v)) for k, v in sides[1].items()}
-    for k in both:  # set against each other on the seeds both ran
-        common = set(sides[0][k]) & set(sides[1][k])
-        real[k], sim[k] = medians(sides[0][k], common), medians(sides[1][k], common)
+    common = {k: set(sides[0][k]) & set(sides[1][k]) for k in set(sides[0]) & set(sides[1])}
+    both = sorted((k for k, seeds in common.items() if seeds), key=lambda k: (k[1] or 0, str(k[0])))
+    # a cell both sides ran is set against its twin on the seeds both ran
+    real, sim = ({k: medians(v, common.get(k) or set(v)) for k, v in side.items()} for side in sides)
     shown = [k for i, k in enumerate(KEY) if k in ("routing", "load") or len({c[i] for c in both}) > 1]
     for side, only in (("cluster", set(real) - set(sim)), ("simulated", set(sim) - set(real))):
         if only:

@@ -227,7 +227,12 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
     store = MetricsStore(result.store_path)
     try:
         first = store.run(result.runs[0][1])
-        commits = dict.fromkeys(store.run(run_id)["git_commit"] for _, run_id in result.runs)
+        today = time.strftime("%Y-%m-%d")
+        if result.collected:  # runs made apart, maybe at several commits
+            commits = ", ".join(f"`{c}`" for c in dict.fromkeys(store.run(r)["git_commit"] for _, r in result.runs))
+            made = f"Written by `{command}` on {today} from the runs the store holds, made at commit {commits}."
+        else:
+            made = f"Made by `{command}` on {today}, commit `{first['git_commit']}`."
     finally:
         store.close()
     c, slo = experiment.cluster, experiment.slo
@@ -265,11 +270,7 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
         "",
         experiment.description.strip(),
         "",
-        f"Written by `{command}` on {time.strftime('%Y-%m-%d')} from the runs the store holds, made at commit "
-        + ", ".join(f"`{c}`" for c in commits)
-        + "."
-        if result.collected
-        else f"Made by `{command}` on {time.strftime('%Y-%m-%d')}, commit `{first['git_commit']}`.",
+        made,
         "",
         f"- Machine: {machine_line(first['machine'] or {})}",
         f"- Cluster: {c.replicas} replicas{sizing}, {model}, max_seq_len {c.max_seq_len}, {c.dtype}"

@@ -4,7 +4,6 @@ collect the runs its cells already have in a store, to report them again."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -105,10 +104,7 @@ def collect_experiment(plan: Plan, *, simulate: bool, store_path: str | Path) ->
             missing.append(cell)
             continue
         config = run["config"]
-        result.capacities.setdefault(
-            cell.slots,
-            Capacity(config["capacity_tokens_per_s"], config.get("capacity_prefill_tokens_per_s", math.inf)),
-        )
+        result.capacities.setdefault(cell.slots, Capacity.from_params(config))
         result.vocab_size = result.vocab_size or config.get("vocab_size")
         result.runs.append((cell, run["run_id"]))
     return result, missing

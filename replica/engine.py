@@ -288,8 +288,7 @@ class Engine:
         """Its step prices as its load reports state them (None: a real model not yet measured)."""
         if self.measured_pricing is not None:
             return self.measured_pricing.pricing
-        if self.stated_pricing is None or self.loop_gap is None:
-            return self.stated_pricing
+        # a fake runner: the prices it states, with the loop time measured between its steps
         return replace(self.stated_pricing, loop_overhead=self.loop_gap.seconds)
 
     def step(self) -> StepResult:

@@ -57,8 +57,7 @@ class MeasuredPricing:
         if last is None:
             return
         before, went_on = last
-        gap = step.start - (before.start + before.duration)
-        seconds = step.start - before.start if went_on and 0 <= gap < MAX_LOOP_GAP else before.duration
+        seconds = step.start - before.start if loop_gap(before, went_on, step) is not None else before.duration
         features = StepFeatures.of_row(vars(before))
         (self.prefills if features.prefill_tokens else self.decodes).append((features, seconds))
         self._since_fit += 1
@@ -85,9 +84,15 @@ class LoopGap:
     def observe(self, step: StepRecord, goes_on: bool) -> None:
         """Record a step (`goes_on`: the engine had work left after it)."""
         last, self._last = self._last, (step, goes_on)
-        if last is None or not last[1]:
-            return
-        gap = step.start - (last[0].start + last[0].duration)
-        if 0 <= gap < MAX_LOOP_GAP:
+        gap = None if last is None else loop_gap(*last, step)
+        if gap is not None:
             self.seconds = gap if not self._seen else self.seconds + self.weight * (gap - self.seconds)
             self._seen = True
+
+
+def loop_gap(before: StepRecord, went_on: bool, step: StepRecord) -> float | None:
+    """The serving loop's own seconds from the end of `before` to the start of `step`, the next
+    one; None where that was no loop work: the engine had nothing left after `before`
+    (`went_on` False), or the gap is `MAX_LOOP_GAP` or more (an idle wait)."""
+    gap = step.start - (before.start + before.duration)
+    return gap if went_on and 0 <= gap < MAX_LOOP_GAP else None

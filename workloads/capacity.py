@@ -87,6 +87,11 @@ class Capacity:
             params["capacity_prefill_tokens_per_s"] = self.prefill_tokens_per_s
         return params
 
+    @classmethod
+    def from_params(cls, params: dict) -> Capacity:
+        """The capacity a run's record holds (`as_params`, read back)."""
+        return cls(params["capacity_tokens_per_s"], params.get("capacity_prefill_tokens_per_s", math.inf))
+
 
 class Served(Protocol):
     """What a probe reads of each request it sent (`metrics.definitions.RequestTrace`): when
