@@ -86,15 +86,37 @@ def test_dense_kernel_equals_f_linear(dtype, rows):
         for b, r in itertools.product((None, bias), (None, residual)):
             want = F.linear(x.float(), w.float(), None if b is None else b.float())
             want = want if r is None else want + r.float()
-            got = skinny_matmul.dense_linear(x, w, b, r)
+            got = skinny_matmul.dense_linear(x, skinny_matmul.dense_layout(w), b, r)
             assert got.dtype == dtype and got.shape == (rows, n)
             scale = k**0.5
             bound = 1e-5 * scale if dtype == torch.float32 else 2**-8 * want.abs() + 1e-5 * scale
             assert ((got.float() - want).abs() <= bound).all(), (n, k, b is None, r is None)
     with pytest.raises(RuntimeError, match="x \\[M, K\\] against weight \\[N, K\\]"):
-        skinny_matmul.dense_linear(x[:, :-1], w)
+        skinny_matmul.dense_linear(x[:, :-1], skinny_matmul.dense_layout(w))
     with pytest.raises(RuntimeError, match="the weight's dtype"):
-        skinny_matmul.dense_linear(x.half(), w)
+        skinny_matmul.dense_linear(x.half(), skinny_matmul.dense_layout(w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_blocked_layout_gives_the_plain_layouts_products_bit_for_bit(dtype):
+    """`dense_layout` blocks a weight whose rows fill whole 8-row blocks and whole vectors (and
+    only those), and reading it blocked runs every sum in the same order as reading it plain: the
+    same bits at every step size, with bias and residual."""
+    skinny_matmul = _skinny_kernel()
+    if dtype not in skinny_matmul.dense_dtypes():
+        pytest.skip("no AVX512_BF16 here: bf16 weights keep to oneDNN")
+    torch.manual_seed(0)
+    assert not skinny_matmul.dense_layout(torch.randn(13, 64).to(dtype)).blocked
+    assert not skinny_matmul.dense_layout(torch.randn(64, 577).to(dtype)).blocked
+    for n, k in ((64, 576), (192, 1536), (8, 64)):
+        w, bias = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
+        blocked, plain = skinny_matmul.dense_layout(w), skinny_matmul.DenseWeight(w.contiguous(), False)
+        assert blocked.blocked and blocked.data.shape == w.shape and not torch.equal(blocked.data, w)
+        for rows in (1, 2, 3, 4, 5, 8, 13, 64):
+            x, r = torch.randn(rows, k).to(dtype), torch.randn(rows, n).to(dtype)
+            for b, res in ((None, None), (bias, r)):
+                want = skinny_matmul.dense_linear(x, plain, b, res)
+                assert torch.equal(skinny_matmul.dense_linear(x, blocked, b, res), want), (n, k, rows)
 
 
 def test_linear_adds_the_residual_on_every_path(monkeypatch):
@@ -143,7 +165,7 @@ def test_int8_rows_follow_the_crossover_measured_here(monkeypatch, tmp_path):
 def test_skinny_rows_follow_the_crossover_measured_here(monkeypatch, tmp_path, dtype):
     """The dense kernel serves steps up to the row count measured faster than oneDNN's packed
     product here, cached on disk and read back; steps above it (and every step where it never
-    pays, when no plain copy is kept) take the packed product; so does a step with no rows."""
+    pays, when no copy for the kernel is kept) take the packed product; so does a step with no rows."""
     from replica.model import linear
 
     skinny_matmul = _skinny_kernel()
@@ -158,22 +180,23 @@ def test_skinny_rows_follow_the_crossover_measured_here(monkeypatch, tmp_path, d
     [(key, measured)] = cached.items()
     assert key.startswith("skinny/") and measured == first.skinny_rows in (0, *linear.CROSSOVER_ROWS)
     onednn = Linear(w, b, skinny=False)
-    assert onednn.packed and onednn.skinny_rows == 0 and onednn.plain is None
+    assert onednn.packed and onednn.skinny_rows == 0 and onednn.skinny_weight is None
     for measured in (4, 0):
         (tmp_path / linear.CROSSOVER_FILE).write_text(json.dumps({key: measured}))
         monkeypatch.setattr(linear, "_CROSSOVERS", {})
         got = Linear(w, b)
-        assert got.skinny_rows == measured and (got.plain is None) == (measured == 0)
+        assert got.skinny_rows == measured and (got.skinny_weight is None) == (measured == 0)
         for rows in (0, 1, 4, 5):  # a step may have no rows for a product (no sampled rows)
             x, r = torch.randn(rows, 96).to(dtype), torch.randn(rows, 264).to(dtype)
             kernel = 0 < rows <= measured
-            want = skinny_matmul.dense_linear(x, w, b, r) if kernel else onednn(x, residual=r)
+            dense = skinny_matmul.dense_layout(w)
+            want = skinny_matmul.dense_linear(x, dense, b, r) if kernel else onednn(x, residual=r)
             assert torch.equal(got(x, residual=r), want), (measured, rows)
 
 
 def test_linear_keeps_to_onednn_where_the_kernel_cannot_serve(monkeypatch):
     """A weight dtype the kernel has no product for (fp16), or a CPU without the instructions (no
-    dtype served): no plain copy, no crossover measured, oneDNN's or torch's product."""
+    dtype served): no copy for the kernel, no crossover measured, oneDNN's or torch's product."""
     from replica.kernels import skinny_matmul
     from replica.model import linear
 
@@ -181,12 +204,12 @@ def test_linear_keeps_to_onednn_where_the_kernel_cannot_serve(monkeypatch):
     torch.manual_seed(0)
     w, x = torch.randn(40, 24), torch.randn(2, 24)
     half = Linear(w.half())
-    assert half.skinny_rows == 0 and half.plain is None
+    assert half.skinny_rows == 0 and half.skinny_weight is None
     torch.testing.assert_close(half(x.half()), F.linear(x.half(), w.half()))
     monkeypatch.setattr(skinny_matmul, "dense_dtypes", frozenset)
     for dtype in (torch.float32, torch.bfloat16):
         lin = Linear(w.to(dtype))
-        assert lin.skinny_rows == 0 and lin.plain is None and lin.packed == can_pack(w.to(dtype))
+        assert lin.skinny_rows == 0 and lin.skinny_weight is None and lin.packed == can_pack(w.to(dtype))
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(lin(x.to(dtype)).float(), F.linear(x, w), rtol=tol, atol=tol * 5)
 

@@ -2,6 +2,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX2__)
@@ -96,9 +97,18 @@ struct Bf16Dot {  // bf16 pairs multiplied and summed into fp32 lanes (AVX512_BF
 };
 #endif
 
-// Prefetch the weight rows this many blocks ahead while reading this block's: a block reads NB
-// streams at once, more than the hardware prefetcher runs far enough ahead on.
+// Plain row-major weights: prefetch the weight rows this many blocks ahead while reading this
+// block's: a block reads NB streams at once, more than the hardware prefetcher runs far enough
+// ahead on.
 constexpr int PREFETCH_BLOCKS = 4;
+// Blocked weights (`dense_layout`): 8 rows interleaved by vectors, [N / 8][K / L][8][L], so a
+// thread reads its weights as one sequential stream, which the hardware prefetcher follows where
+// it loses the 8 short strided streams of plain rows (rows of a few hundred values). Ahead of it,
+// this many bytes are prefetched into L2 (a block or two of rows: with several rows of x a block
+// is read once from memory and again from L1 for each pair of x rows, and the next block must be
+// on its way meanwhile; into L1 they would push out the block being read).
+constexpr int BLOCK_ROWS = 8;
+constexpr int64_t PREFETCH_BYTES = 16384;
 
 #if defined(__AVX512F__)
 // out[c] = the sum of acc[c]'s lanes for C <= 16 accumulators at once: a transposing tree of
@@ -132,25 +142,39 @@ static inline void reduce(typename D::Acc* acc, int C, float* out) {
     for (int c = 0; c < C; ++c) out[c] = D::sum(acc[c]);
 }
 
-// sums[j * NB + i] = x[j] . w[i] over K for MB rows of x (row stride K) and NB weight rows (stride
-// K) of the `left` weight rows from w on (the prefetches stay within them).
-template <class D, int MB, int NB>
-static inline void dot_block(const typename D::X* x, const typename D::W* w, int64_t K, int64_t left, float* sums) {
+// sums[j * NB + i] = x[j] . w[i] over K for MB rows of x (row stride K) and NB weight rows from
+// w, the first of them: plain (BLK false), row i at w + i * K and its value k at + k, with `left`
+// weight rows from w on (the prefetches stay within them); blocked, row i at w + i * L and its
+// value k at + k * BLOCK_ROWS (K a multiple of L), prefetched up to `end`.
+template <class D, int MB, int NB, bool BLK>
+static inline void dot_block(const typename D::X* x, const typename D::W* w, int64_t K, int64_t left,
+                             const typename D::W* end, float* sums) {
   using X = typename D::X;
   using W = typename D::W;
   constexpr int L = D::L;
+  constexpr int64_t KS = BLK ? BLOCK_ROWS : 1;
+  const int64_t row_stride = BLK ? L : K;
   typename D::Acc acc[MB][NB];
-  const W* ahead[NB];  // the row each weight row prefetches, the last one near w's end
-  for (int i = 0; i < NB; ++i) ahead[i] = w + std::min<int64_t>(i + PREFETCH_BLOCKS * NB, left - 1) * K;
+  const W* ahead[NB];  // plain: the row each weight row prefetches, the last one near w's end
+  if constexpr (!BLK)
+    for (int i = 0; i < NB; ++i) ahead[i] = w + std::min<int64_t>(i + PREFETCH_BLOCKS * NB, left - 1) * K;
+  const W* stream_end = end - PREFETCH_BYTES / static_cast<int64_t>(sizeof(W));
   for (int j = 0; j < MB; ++j)
     for (int i = 0; i < NB; ++i) acc[j][i] = D::zero();
   int64_t k = 0;
   for (; k + L <= K; k += L) {
-    for (int i = 0; i < NB; ++i) __builtin_prefetch(ahead[i] + k);
+    if constexpr (BLK) {
+      const W* at = w + k * KS;
+      if (at < stream_end)  // the NB rows' vectors at k are NB * L values in a row
+        for (int i = 0; i < NB * L * static_cast<int>(sizeof(W)); i += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(at) + PREFETCH_BYTES + i, 0, 2);  // into L2
+    } else {
+      for (int i = 0; i < NB; ++i) __builtin_prefetch(ahead[i] + k);
+    }
     for (int i = 0; i < NB; ++i)
-      for (int j = 0; j < MB; ++j) acc[j][i] = D::madd(acc[j][i], x + j * K + k, w + i * K + k);
+      for (int j = 0; j < MB; ++j) acc[j][i] = D::madd(acc[j][i], x + j * K + k, w + i * row_stride + k * KS);
   }
-  if (k < K) {  // the last K % L values, zero-padded to a full step
+  if (!BLK && k < K) {  // the last K % L values, zero-padded to a full step
     X xt[MB][L];
     W wt[L];
     std::memset(xt, 0, sizeof(xt));
@@ -168,7 +192,7 @@ static inline void dot_block(const typename D::X* x, const typename D::W* w, int
 template <class D, class Y>
 struct Problem {
   const typename D::X* x;
-  const typename D::W* w;
+  const typename D::W* w;  // plain or blocked (`dense_layout`), [N, K] values
   const float* scales;  // per weight row, or null
   const Y* bias;
   const Y* residual;
@@ -176,11 +200,18 @@ struct Problem {
   int64_t M, K, N;
 };
 
+// Where weight row n starts (its value 0): plain or blocked.
+template <class D, class Y, bool BLK>
+static inline const typename D::W* weight_row(const Problem<D, Y>& p, int64_t n) {
+  if constexpr (BLK) return p.w + (n / BLOCK_ROWS) * BLOCK_ROWS * p.K + (n % BLOCK_ROWS) * D::L;
+  return p.w + n * p.K;
+}
+
 // Weight rows [n, n + NB) against x's rows [m, m + MB), written out with the epilogue.
-template <class D, class Y, int MB, int NB>
+template <class D, class Y, int MB, int NB, bool BLK>
 static void block(const Problem<D, Y>& p, int64_t m, int64_t n) {
   float sums[MB * NB];
-  dot_block<D, MB, NB>(p.x + m * p.K, p.w + n * p.K, p.K, p.N - n, sums);
+  dot_block<D, MB, NB, BLK>(p.x + m * p.K, weight_row<D, Y, BLK>(p, n), p.K, p.N - n, p.w + p.N * p.K, sums);
   for (int j = 0; j < MB; ++j)
     for (int i = 0; i < NB; ++i) {
       const int64_t at = (m + j) * p.N + n + i;
@@ -193,39 +224,41 @@ static void block(const Problem<D, Y>& p, int64_t m, int64_t n) {
 
 // Every row of x against weight rows [n, n + NB): x in blocks of 4 rows (2 with 8 weight rows),
 // so the NB weight rows are read from memory once and from L1 for the rest.
-template <class D, class Y, int NB>
+template <class D, class Y, int NB, bool BLK>
 static void rows(const Problem<D, Y>& p, int64_t n) {
   constexpr int MB = NB > 4 ? 2 : 4;
   int64_t m = 0;
-  for (; m + MB <= p.M; m += MB) block<D, Y, MB, NB>(p, m, n);
+  for (; m + MB <= p.M; m += MB) block<D, Y, MB, NB, BLK>(p, m, n);
   switch (p.M - m) {
     case 3:
-      if constexpr (MB > 3) block<D, Y, 3, NB>(p, m, n);
+      if constexpr (MB > 3) block<D, Y, 3, NB, BLK>(p, m, n);
       break;
-    case 2: block<D, Y, 2, NB>(p, m, n); break;
-    case 1: block<D, Y, 1, NB>(p, m, n); break;
+    case 2: block<D, Y, 2, NB, BLK>(p, m, n); break;
+    case 1: block<D, Y, 1, NB, BLK>(p, m, n); break;
   }
 }
 
-// Weight rows split across torch's threads in chunks of whole 8-row blocks. Up to 4 rows of x go
-// against 8 weight rows at a time (2 by 2), more against 4 (4 by 4): at most 16 sums in
-// registers. A chunk's last rows that fill no block go one at a time. The blocking changes no
-// result: each sum runs over K in the same order whatever the block.
-template <class D, class Y>
+// Weight rows split across torch's threads in chunks of whole 8-row blocks. A blocked weight goes
+// 8 rows at a time against x's rows 2 by 2 (half a block would read every other stretch of its
+// stream); a plain one so up to 4 rows of x, and 4 weight rows at a time against more, 4 by 4:
+// at most 16 sums in registers. A chunk's last rows that fill no block go one at a time (plain
+// weights only: a blocked weight's rows fill whole blocks). The blocking changes no result: each sum runs over K
+// in the same order whatever the block and the layout.
+template <class D, class Y, bool BLK>
 static void run(const Problem<D, Y>& p) {
   at::parallel_for(0, (p.N + 7) / 8, 4, [&](int64_t b0, int64_t b1) {
     const int64_t n1 = std::min(b1 * 8, p.N);
     int64_t n = b0 * 8;
-    if (p.M <= 4)
-      for (; n + 8 <= n1; n += 8) rows<D, Y, 8>(p, n);
-    for (; n + 4 <= n1; n += 4) rows<D, Y, 4>(p, n);
-    for (; n < n1; ++n) rows<D, Y, 1>(p, n);
+    if (p.M <= 4 || BLK)
+      for (; n + 8 <= n1; n += 8) rows<D, Y, 8, BLK>(p, n);
+    for (; n + 4 <= n1; n += 4) rows<D, Y, 4, BLK>(p, n);
+    for (; n < n1; ++n) rows<D, Y, 1, BLK>(p, n);
   });
 }
 
 template <class D, class Y>
-static void launch(const at::Tensor& x, const at::Tensor& w, const float* scales, const c10::optional<at::Tensor>& bias,
-                   const c10::optional<at::Tensor>& residual, at::Tensor& y) {
+static void launch(const at::Tensor& x, const at::Tensor& w, bool blocked, const float* scales,
+                   const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual, at::Tensor& y) {
   Problem<D, Y> p{reinterpret_cast<const typename D::X*>(x.data_ptr()),
                   reinterpret_cast<const typename D::W*>(w.data_ptr()),
                   scales,
@@ -235,8 +268,14 @@ static void launch(const at::Tensor& x, const at::Tensor& w, const float* scales
                   x.size(0),
                   x.size(1),
                   w.size(0)};
-  run(p);
+  if (blocked)
+    run<D, Y, true>(p);
+  else
+    run<D, Y, false>(p);
 }
+
+// Whether a weight of this shape is blocked by `dense_layout` for a Dot of L values a step.
+static bool blocks(int64_t N, int64_t K, int L) { return N % BLOCK_ROWS == 0 && K % L == 0; }
 
 static void check(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                   const c10::optional<at::Tensor>& residual, const char* name) {
@@ -258,9 +297,29 @@ std::vector<std::string> dense_dtypes() {
 #endif
 }
 
+// The weight's values as `dense_linear` reads them fastest, and whether they are blocked (see
+// BLOCK_ROWS): blocked where its rows fill whole blocks and its rows whole vectors, else a plain
+// contiguous copy. Same shape [N, K] either way.
+std::tuple<at::Tensor, bool> dense_layout(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.is_cpu() && !w.is_mkldnn(), "dense_layout: a plain CPU weight [N, K]");
+  const auto dtype = w.scalar_type();
+  int L = 0;
+  if (dtype == at::kFloat) L = F32Dot::L;
+#if defined(SKINNY_BF16)
+  if (dtype == at::kBFloat16) L = Bf16Dot::L;
+#endif
+  TORCH_CHECK(L > 0, "dense_layout: no kernel for ", dtype, " weights on this build");
+  const int64_t N = w.size(0), K = w.size(1);
+  if (!blocks(N, K, L)) return {w.contiguous(), false};
+  at::Tensor b = w.reshape({N / BLOCK_ROWS, BLOCK_ROWS, K / L, L}).permute({0, 2, 1, 3}).contiguous();
+  return {b.view({N, K}), true};
+}
+
 // y = x w^T + bias + residual; x [M, K] and w [N, K] of one dtype (fp32, or bf16 where built for
-// it), bias and residual in it too; y in it, its sums fp32.
-at::Tensor dense_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, c10::optional<at::Tensor> residual) {
+// it), laid out by `dense_layout` (`blocked` as it said), bias and residual in it too; y in it,
+// its sums fp32.
+at::Tensor dense_linear(at::Tensor x, at::Tensor w, bool blocked, c10::optional<at::Tensor> bias,
+                        c10::optional<at::Tensor> residual) {
   check(x, w, bias, residual, "dense_linear");
   const auto dtype = w.scalar_type();
   TORCH_CHECK(x.scalar_type() == dtype && (!bias || bias->scalar_type() == dtype) &&
@@ -271,10 +330,12 @@ at::Tensor dense_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bi
   const c10::optional<at::Tensor> r = residual ? c10::optional<at::Tensor>(residual->contiguous()) : c10::nullopt;
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
   if (dtype == at::kFloat) {
-    launch<F32Dot, float>(x, w, nullptr, b, r, y);
+    TORCH_CHECK(!blocked || blocks(w.size(0), w.size(1), F32Dot::L), "dense_linear: this shape is never blocked");
+    launch<F32Dot, float>(x, w, blocked, nullptr, b, r, y);
 #if defined(SKINNY_BF16)
   } else if (dtype == at::kBFloat16) {
-    launch<Bf16Dot, at::BFloat16>(x, w, nullptr, b, r, y);
+    TORCH_CHECK(!blocked || blocks(w.size(0), w.size(1), Bf16Dot::L), "dense_linear: this shape is never blocked");
+    launch<Bf16Dot, at::BFloat16>(x, w, blocked, nullptr, b, r, y);
 #endif
   } else {
     TORCH_CHECK(false, "dense_linear: no kernel for ", dtype, " weights on this build");
@@ -294,6 +355,6 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor scales, c10::optio
   const c10::optional<at::Tensor> r =
       residual ? c10::optional<at::Tensor>(residual->to(at::kFloat).contiguous()) : c10::nullopt;
   at::Tensor y = at::empty({x.size(0), q.size(0)}, x.options().dtype(at::kFloat));
-  launch<Int8Dot, float>(xf, q, sf.data_ptr<float>(), b, r, y);
+  launch<Int8Dot, float>(xf, q, false, sf.data_ptr<float>(), b, r, y);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }

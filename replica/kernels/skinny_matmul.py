@@ -11,7 +11,10 @@ flight, with the rows a few blocks ahead prefetched; then the row's scale (int8)
 residual. The weight rows are split across torch's threads. Sums are fp32: bf16 pairs go through
 AVX512_BF16's dot product (`_mm512_dpbf16_ps`), fp32 and int8 (widened to fp32) through AVX-512
 or AVX2 FMAs. One template holds the blocking, tails, epilogue and threading; the weight types
-differ only in their inner multiply-add. The weights stay plain row-major.
+differ only in their inner multiply-add. Dense weights are read in a layout of the kernel's own
+(`dense_layout`: 8 rows interleaved by vectors), so each thread streams its share of a weight in
+one sequential pass, which the hardware prefetcher follows; plain rows of a few hundred values
+are 8 short strided streams it mostly does not. int8 copies stay plain row-major.
 
 Built by `replica.kernels.build`; where it cannot be built, or off the CPU, `available()` is
 False, and `dense_dtypes()` names the weight dtypes `dense_linear` serves on this build (bf16
@@ -22,12 +25,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from dataclasses import dataclass
 
 import torch
 
 from replica.kernels.build import CpuExtension
 
-_EXTENSION = CpuExtension("skinny_matmul", ["dense_linear", "int8_linear", "dense_dtypes"])
+_EXTENSION = CpuExtension("skinny_matmul", ["dense_layout", "dense_linear", "int8_linear", "dense_dtypes"])
 available = _EXTENSION.available  # available(device): built here, and device is the CPU
 
 
@@ -50,15 +54,30 @@ def serves_dense(weight: torch.Tensor) -> bool:
     return available(weight.device) and weight.dtype in dense_dtypes()
 
 
+@dataclass(frozen=True)
+class DenseWeight:
+    """A weight [N, K] as `dense_linear` reads it: blocked (8 rows interleaved by vectors, so a
+    thread streams its rows in one pass) where its shape allows, else plain row-major."""
+
+    data: torch.Tensor
+    blocked: bool
+
+
+def dense_layout(weight: torch.Tensor) -> DenseWeight:
+    """`weight` [N, K] (a dtype `dense_dtypes()` names) laid out for `dense_linear`: a copy."""
+    data, blocked = _EXTENSION.module.dense_layout(weight)
+    return DenseWeight(data, blocked)
+
+
 def dense_linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: DenseWeight,
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] times a plain contiguous weight [N, K] of x's dtype, plus `bias` and `residual`
-    (in that dtype) where given: [M, N] in x's dtype."""
-    return _EXTENSION.module.dense_linear(x, weight, bias, residual)
+    """x [M, K] times a weight [N, K] of x's dtype laid out by `dense_layout`, plus `bias` and
+    `residual` (in that dtype) where given: [M, N] in x's dtype."""
+    return _EXTENSION.module.dense_linear(x, weight.data, weight.blocked, bias, residual)
 
 
 def int8_linear(

@@ -1,5 +1,5 @@
 """The model's matrix products: y = x W^T + b, with W prepacked for oneDNN where that pays, a
-plain copy for steps of few rows, and an optional weight-only int8 copy.
+copy in the skinny kernel's layout for steps of few rows, and an optional weight-only int8 copy.
 
 Why: on these CPUs MKL's F.linear reaches a fraction of the machine on the skinny products of a
 decode step (1-64 rows) and on the 49k-column LM head, while oneDNN with the weight reordered
@@ -10,10 +10,10 @@ uses them natively). On a GPU, or where oneDNN cannot pack, the plain F.linear i
 
 A step with few rows is bound by reading the weights, not by arithmetic, and oneDNN's packed
 product, tuned for larger steps, reads them well below the memory bandwidth at one row.
-`replica.kernels.skinny_matmul`'s dense kernel reads a plain row-major copy at close to it (fp32
+`replica.kernels.skinny_matmul`'s dense kernel reads a copy in its own layout at close to it (fp32
 weights, and bf16 ones where the CPU has AVX512_BF16), with the same dtype and fp32 sums, so it
 serves steps up to the row count where it was measured faster than the packed product on this
-machine; a weight where it never pays keeps no plain copy beside the packed one.
+machine; a weight where it never pays keeps no such copy beside the packed one.
 
 Reading a quarter of fp32's bytes (int8 with one scale per output row) can make such a step
 faster still, at a cost in outputs; a Linear built with `int8_rows=N` keeps such a copy and uses
@@ -81,7 +81,7 @@ def can_int8(weight: torch.Tensor) -> bool:
 
 class Linear:
     """One weight matrix and its optional bias, called like F.linear. skinny: use the skinny
-    kernel's dense product up to its measured crossover (off: no plain copy kept, the packed or
+    kernel's dense product up to its measured crossover (off: no copy for it kept, the packed or
     plain product at every step the int8 copy does not serve). int8_rows: keep an int8 copy for
     steps of at most that many rows, fewer where `crossover` measured it slower here
     (`measure_int8=False` takes int8_rows as it is, as benchmarks of the int8 path do)."""
@@ -98,7 +98,7 @@ class Linear:
         self.bias = bias
         self.shape, self.dtype = weight.shape, weight.dtype
         self.packed = pack and can_pack(weight)
-        # The packed copy replaces the plain one, which is kept only where the skinny kernel pays (a
+        # The packed copy replaces the plain one; the skinny kernel's copy is kept only where it pays (a
         # shared tensor, like a tied embedding, stays alive elsewhere anyway).
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT) if self.packed else weight
         # Each faster path serves no rows while it is measured against the paths already there.
@@ -106,19 +106,21 @@ class Linear:
         self.int8_rows = 0
         self.int8: tuple[torch.Tensor, torch.Tensor] | None = None
         self.int8_kernel = False
-        self.plain = weight.contiguous() if skinny and skinny_matmul.serves_dense(weight) else None
-        if self.plain is not None:
-            self.skinny_rows = crossover("skinny", self, lambda x: skinny_matmul.dense_linear(x, self.plain, bias))
+        serves = skinny and skinny_matmul.serves_dense(weight)
+        self.skinny_weight = skinny_matmul.dense_layout(weight) if serves else None
+        if self.skinny_weight is not None:
+            dense = self.skinny_weight
+            self.skinny_rows = crossover("skinny", self, lambda x: skinny_matmul.dense_linear(x, dense, bias))
             if not self.skinny_rows:
-                self.plain = None  # never pays here: the packed copy alone is kept
+                self.skinny_weight = None  # never pays here: the packed copy alone is kept
         self.int8 = quantize_int8(weight) if int8_rows and can_int8(weight) else None
         if self.int8 is not None:
             self.int8_kernel = skinny_matmul.available(weight.device)
             self.int8_rows = min(int8_rows, crossover("int8", self, self.quantized)) if measure_int8 else int8_rows
             if not self.int8_rows:
                 self.int8 = None  # never pays here: no copy kept
-        if self.int8_rows >= self.skinny_rows:  # int8 serves every step the plain copy would
-            self.plain, self.skinny_rows = None, 0
+        if self.int8_rows >= self.skinny_rows:  # int8 serves every step the skinny copy would
+            self.skinny_weight, self.skinny_rows = None, 0
 
     @property
     def paths(self) -> str:
@@ -136,7 +138,7 @@ class Linear:
         if 0 < rows <= self.int8_rows:
             return self.quantized(x, residual)
         if 0 < rows <= self.skinny_rows:
-            return skinny_matmul.dense_linear(x, self.plain, self.bias, residual)
+            return skinny_matmul.dense_linear(x, self.skinny_weight, self.bias, residual)
         if self.packed and residual is not None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
         if self.packed:
