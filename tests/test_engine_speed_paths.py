@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import re
 import shutil
 
 import pytest
@@ -40,6 +42,41 @@ def test_auto_dtype_follows_the_cpu_flags():
     assert resolve_dtype("bfloat16", "cpu", avx2) == "bfloat16"
     assert "avx512_bf16" in bf16.describe() and "avx512_bf16" not in avx2.describe()
     assert EngineConfig().dtype == "auto"
+
+
+def _thp_eligible_kb(lo: int, hi: int) -> tuple[int, int]:
+    """(kB of the mappings overlapping [lo, hi), kB of those the kernel may back with huge pages)."""
+    size = eligible = 0
+    overlaps, vma_kb = False, 0
+    for line in open("/proc/self/smaps").read().splitlines():
+        if m := re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line):
+            start, end = int(m.group(1), 16), int(m.group(2), 16)
+            overlaps, vma_kb = start < hi and end > lo, (end - start) // 1024
+            size += vma_kb if overlaps else 0
+        elif overlaps and line.startswith("THPeligible:") and line.split()[1] == "1":
+            eligible += vma_kb
+    return size, eligible
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+    or "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read(),
+    reason="no transparent huge pages on this system",
+)
+def test_the_kv_cache_is_eligible_for_huge_pages_and_zeroed():
+    """The K/V cache (every layer's K and V, one buffer) asks the kernel for transparent huge pages
+    before its first write: all but the ragged ends of its memory are eligible for them, which
+    plain tensors of the same size are not where the system gives huge pages only on request."""
+    from replica.model.kv_cache import HUGE_PAGE, SlotKVCache
+
+    cache = SlotKVCache(4, 16, 2048, 2, 64, torch.bfloat16)
+    assert all(float(t.abs().sum()) == 0 for t in cache.k + cache.v)
+    lo, hi = cache.k[0].data_ptr(), cache.v[-1].data_ptr() + cache.v[-1].numel() * 2
+    size, eligible = _thp_eligible_kb(lo, hi)
+    assert size >= (hi - lo) // 1024 and eligible >= (hi - lo - 2 * HUGE_PAGE) // 1024
+    if "[madvise]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read():
+        plain = torch.zeros(hi - lo, dtype=torch.uint8)
+        assert _thp_eligible_kb(plain.data_ptr(), plain.data_ptr() + plain.numel())[1] == 0
 
 
 def test_gathered_attention_equals_the_range_view():

@@ -1,6 +1,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -52,16 +53,37 @@ static inline void prefetch_key(const T* p, int64_t D) {
   for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
     _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
 }
+#endif
+
+// The keys (or values) of the job a thread runs next, asked for into L2 while this job runs, a
+// share of them at each of its keys: a job's own prefetches start cold at its first key, and its
+// run (a few KiB) is too short for the hardware prefetcher to get far ahead on.
+template <typename T>
+struct NextRun {
+  const T* run = nullptr;  // none: this is the thread's last job
+  int64_t len = 0;
+  int64_t per_key = 0;  // keys of it asked for at each key of this job
+
+  NextRun(const T* r, int64_t n, int64_t this_len) : run(r), len(n), per_key(r ? (n + this_len - 1) / this_len : 0) {}
+  void at(int64_t l, int64_t D) const {
+    for (int64_t j = l * per_key; j < std::min(len, (l + 1) * per_key); ++j)
+      for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(run + j * D) + b, 0, 2);
+  }
+};
+
+#if defined(__AVX512F__)
 
 // score[g * len + l] = q_g . k_l for the G query heads sharing one K/V head (q fp32, scaled).
 // Where D is 16 C values (C up to 8, known when compiled so a key stays in registers), each key is
 // widened to fp32 once for all G heads; the sums are the same FMAs in the same order as `dot`'s,
 // so either path gives the same scores.
 template <int C, typename T>
-static void scores_c(const float* qf, const T* k, int64_t len, int64_t G, float* score) {
+static void scores_c(const float* qf, const T* k, int64_t len, int64_t G, const NextRun<T>& next, float* score) {
   constexpr int64_t D = 16 * C;
   for (int64_t l = 0; l < len; ++l) {
     if (l + kAhead < len) prefetch_key(k + (l + kAhead) * D, D);
+    next.at(l, D);
     __m512 kv[C];
     for (int c = 0; c < C; ++c) kv[c] = load16(k + l * D + 16 * c);
     for (int64_t g = 0; g < G; ++g) {
@@ -77,13 +99,14 @@ static void scores_c(const float* qf, const T* k, int64_t len, int64_t G, float*
 // the G * C sums held in registers for the whole row (the same FMAs in the same order as the
 // loop below that serves other G, which reads and writes them through memory at every key).
 template <int C, int G, typename T>
-static void weighted_sum_cg(const float* p, const T* v, int64_t len, float* acc) {
+static void weighted_sum_cg(const float* p, const T* v, int64_t len, const NextRun<T>& next, float* acc) {
   constexpr int64_t D = 16 * C;
   __m512 a[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
   for (int64_t l = 0; l < len; ++l) {
     if (l + kAhead < len) prefetch_key(v + (l + kAhead) * D, D);
+    next.at(l, D);
     __m512 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = load16(v + l * D + 16 * c);
     for (int g = 0; g < G; ++g) {
@@ -97,12 +120,12 @@ static void weighted_sum_cg(const float* p, const T* v, int64_t len, float* acc)
 
 // acc[g] += sum_l p[g * len + l] * v_l.
 template <int C, typename T>
-static void weighted_sum_c(const float* p, const T* v, int64_t len, int64_t G, float* acc) {
+static void weighted_sum_c(const float* p, const T* v, int64_t len, int64_t G, const NextRun<T>& next, float* acc) {
   switch (G) {
-    case 1: return weighted_sum_cg<C, 1>(p, v, len, acc);
-    case 2: return weighted_sum_cg<C, 2>(p, v, len, acc);
-    case 3: return weighted_sum_cg<C, 3>(p, v, len, acc);
-    case 4: return weighted_sum_cg<C, 4>(p, v, len, acc);
+    case 1: return weighted_sum_cg<C, 1>(p, v, len, next, acc);
+    case 2: return weighted_sum_cg<C, 2>(p, v, len, next, acc);
+    case 3: return weighted_sum_cg<C, 3>(p, v, len, next, acc);
+    case 4: return weighted_sum_cg<C, 4>(p, v, len, next, acc);
   }
   constexpr int64_t D = 16 * C;
   for (int64_t l = 0; l < len; ++l) {
@@ -118,29 +141,35 @@ static void weighted_sum_c(const float* p, const T* v, int64_t len, int64_t G, f
 #endif
 
 template <typename T>
-static void scores(const float* qf, const T* k, int64_t len, int64_t G, int64_t D, float* score) {
+static void scores(const float* qf, const T* k, int64_t len, int64_t G, int64_t D, const NextRun<T>& next,
+                   float* score) {
 #if defined(__AVX512F__)
   switch (D) {
-    case 32: return scores_c<2>(qf, k, len, G, score);
-    case 64: return scores_c<4>(qf, k, len, G, score);
-    case 128: return scores_c<8>(qf, k, len, G, score);
+    case 32: return scores_c<2>(qf, k, len, G, next, score);
+    case 64: return scores_c<4>(qf, k, len, G, next, score);
+    case 128: return scores_c<8>(qf, k, len, G, next, score);
   }
 #endif
-  for (int64_t l = 0; l < len; ++l)
+  for (int64_t l = 0; l < len; ++l) {
+    next.at(l, D);
     for (int64_t g = 0; g < G; ++g) score[g * len + l] = dot(qf + g * D, k + l * D, D);
+  }
 }
 
 template <typename T>
-static void weighted_sum(const float* p, const T* v, int64_t len, int64_t G, int64_t D, float* acc) {
+static void weighted_sum(const float* p, const T* v, int64_t len, int64_t G, int64_t D, const NextRun<T>& next,
+                         float* acc) {
 #if defined(__AVX512F__)
   switch (D) {
-    case 32: return weighted_sum_c<2>(p, v, len, G, acc);
-    case 64: return weighted_sum_c<4>(p, v, len, G, acc);
-    case 128: return weighted_sum_c<8>(p, v, len, G, acc);
+    case 32: return weighted_sum_c<2>(p, v, len, G, next, acc);
+    case 64: return weighted_sum_c<4>(p, v, len, G, next, acc);
+    case 128: return weighted_sum_c<8>(p, v, len, G, next, acc);
   }
 #endif
-  for (int64_t l = 0; l < len; ++l)
+  for (int64_t l = 0; l < len; ++l) {
+    next.at(l, D);
     for (int64_t g = 0; g < G; ++g) axpy(acc + g * D, p[g * len + l], v + l * D, D);
+  }
 }
 
 // out[rows[i], h * D:(h + 1) * D] = softmax(q[rows[i], h] . K[slot, kvh, :len]^T * scale) V[slot, kvh, :len]
@@ -163,10 +192,13 @@ static void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
     for (int64_t job = begin; job < end; ++job) {
       const int64_t i = job / KV, kvh = job % KV, row = rp[i], len = lp[i];
       const int64_t base = (sp[i] * KV + kvh) * Lmax * D;
+      const bool last = job + 1 == end;  // else the thread's next job's run, as `base` is this one's
+      const int64_t next_base = last ? 0 : (sp[(job + 1) / KV] * KV + (job + 1) % KV) * Lmax * D;
+      const int64_t next_len = last ? 0 : lp[(job + 1) / KV];
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qp[row * qs0 + (kvh * G + g) * qs1 + d]) * fscale;
       score.resize(G * len);
-      scores(qf.data(), kp + base, len, G, D, score.data());
+      scores(qf.data(), kp + base, len, G, D, NextRun<T>(last ? nullptr : kp + next_base, next_len, len), score.data());
       for (int64_t g = 0; g < G; ++g) {
         float* sg = score.data() + g * len;
         float m = sg[0], sum = 0.f;
@@ -180,7 +212,8 @@ static void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
         for (int64_t l = 0; l < len; ++l) sg[l] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      weighted_sum(score.data(), vp + base, len, G, D, acc.data());
+      weighted_sum(score.data(), vp + base, len, G, D, NextRun<T>(last ? nullptr : vp + next_base, next_len, len),
+                   acc.data());
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) op[row * os0 + (kvh * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
     }
