@@ -367,3 +367,16 @@ def test_bench_decode_step_finishes_no_request_in_a_measured_step(tiny_qwen2_dir
     assert len(finished) == 1 + measured  # the prefill, then every measured step
     assert finished == [0] * (1 + measured)
     assert row.parts["step"] > 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="no /proc: cannot see the process's mappings")
+def test_a_loaded_model_keeps_no_view_of_its_checkpoint_file(tiny_qwen2_dir):
+    """The runner copies every weight it keeps out of the loaded model (into its own layouts, or
+    a copy of its own for the embeddings and norms), so once built it maps no checkpoint file:
+    a view into the file's memory map would keep the whole file resident for the replica's life,
+    beside the copies."""
+    from replica.model.runner import ModelRunner
+
+    runner = ModelRunner(EngineConfig(model=tiny_qwen2_dir, dtype="float32", num_slots=2, max_seq_len=64))
+    mapped = open("/proc/self/maps").read()
+    assert runner.model.w["embed"].shape[0] > 0 and str(tiny_qwen2_dir) not in mapped

@@ -98,7 +98,8 @@ class ModelShape:
 
 
 class Decoder:
-    """Weights as a flat dict of tensors (no nn.Module: nothing here trains). `fused_ops` and
+    """Weights as a flat dict of tensors (no nn.Module: nothing here trains; the constructor takes
+    the matrices out of the `state` it is given and copies the rest). `fused_ops` and
     `decode_kernel` ask for the C++ kernels (per-layer steps; decode attention), used where they
     are built for the weights' device; off, torch's operators serve (what benchmarks compare)."""
 
@@ -119,12 +120,19 @@ class Decoder:
         # where it pays unless skinny_matmul is off, and an int8 copy for steps of at most int8_rows
         # rows, fewer where measured slower here unless measure_int8 is off); norms, embeddings and
         # biases stay plain.
+        # Each matrix is taken out of `state` as its Linear is made, so a weight Linear copies
+        # (packed, laid out for the skinny kernel) is freed once its copies exist, not when the
+        # whole model is built: the copies of every weight and all the originals are never held
+        # at once.
         matrices = [k for k in state if k.rsplit(".", 1)[-1] in _MATRICES]
         self.linear = {
-            k: Linear(state[k], state.get(k + "_bias"), pack_weights, int8_rows, measure_int8, skinny_matmul)
+            k: Linear(state.pop(k), state.get(k + "_bias"), pack_weights, int8_rows, measure_int8, skinny_matmul)
             for k in matrices
         }
-        self.w = {k: v for k, v in state.items() if k not in matrices}
+        # Copies of their own: a tensor loaded from a checkpoint may be a view of the file's memory
+        # map, which these few (norms, embeddings) would otherwise keep mapped, and resident, for
+        # the replica's life.
+        self.w = {k: v.clone() for k, v in state.items()}
         self.layers = [self._layer(f"layers.{i}") for i in range(shape.num_layers)]
         self.final_norm = self._norm_weights("final_norm")
         device = state["embed"].device
