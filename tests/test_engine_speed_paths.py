@@ -137,6 +137,29 @@ def test_decode_kernel_equals_sdpa(dtype, head_dim, group):
         decode_attention.decode_attention(q, k, v, rows, torch.tensor([0]), torch.tensor([41]), out)
 
 
+def test_decode_rows_with_idle_slots_between_them_take_the_decode_kernel():
+    """Decode rows whose slots leave idle ones between them, too few to gather (requests that
+    ended at different steps, the usual state of a busy cache), still go to the decode kernel,
+    with each row's own slot and key count; SDPA (kernel off) reads them through the padded range
+    and gives the same attention."""
+    from replica.kernels import decode_attention
+
+    if not shutil.which("c++"):
+        pytest.skip("no C++ compiler: the kernel is not built and SDPA serves every row")
+    assert decode_attention.available("cpu")
+    torch.manual_seed(0)
+    k, v = torch.randn(8, 3, 40, 16), torch.randn(8, 3, 40, 16)
+    q = torch.randn(5, 9, 16)
+    slots, positions = [4, 0, 6, 1, 3], [12, 30, 7, 39, 0]
+    group = build_group(list(range(5)), slots, [0] * 5, positions, 3, "cpu")
+    assert group.kv_slots is None and group.num_seqs == 7 and group.seq_rows is None
+    assert group.row_slots.tolist() == slots and group.row_lengths.tolist() == [p + 1 for p in positions]
+    meta = AttentionMetadata(torch.tensor(slots), [group], 3)
+    torch.testing.assert_close(
+        slot_attention(q, k, v, meta, decode_kernel=True), slot_attention(q, k, v, meta, decode_kernel=False)
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rope", [True, False])
 def test_fused_rope_write_and_silu_mul_equal_torch(dtype, rope):

@@ -40,8 +40,9 @@ class AttentionGroup:
     kv_len: int
     mask: torch.Tensor | None  # [seqs, 1, q_per_kv * q_max, kv_len]; None: every query sees every key
     kv_slots: torch.Tensor | None = None  # [seqs] slots to gather (scattered groups only)
-    # Decodes, one row per sequence: the group's rows in sequence order (no padded query layout),
-    # and for the decode kernel each row's cache row (slot) and number of keys (position + 1).
+    # Decodes, one row per sequence: for the decode kernel each row's cache row (slot) and number
+    # of keys (position + 1); where every sequence of the group has its row, also the rows in
+    # sequence order (SDPA's layout without padded queries).
     seq_rows: torch.Tensor | None = None
     row_slots: torch.Tensor | None = None
     row_lengths: torch.Tensor | None = None
@@ -78,14 +79,23 @@ def build_group(
     num_seqs = len(distinct) if gather else hi - lo
     q_max, kv_len = max(offsets) + 1, max(positions) + 1
     rows = [seq_of[s] for s in slots]
-    one_per_seq = q_max == 1 and len(slots) == num_seqs
+    # Decodes (one row per sequence): the kernel reads each row's own slot wherever it is; the
+    # SDPA layout of one query row per sequence also needs every sequence of the range to have
+    # its row (no slot between them idle or prefilling), which a cache whose requests end at
+    # different steps seldom has.
+    decodes = q_max == 1 and len(distinct) == len(slots)
+    one_per_seq = decodes and len(slots) == num_seqs
     lists = [token_idx, rows, offsets, positions, distinct if gather else []]
-    if one_per_seq:  # decodes: rows in sequence order, each row's slot and number of keys
-        by_seq = sorted(range(len(slots)), key=rows.__getitem__)
-        lists += [[token_idx[i] for i in by_seq], slots, [p + 1 for p in positions]]
+    if decodes:  # each row's slot and number of keys
+        lists += [slots, [p + 1 for p in positions]]
+    if one_per_seq:  # the rows in sequence order
+        lists.append([token_idx[i] for i in sorted(range(len(slots)), key=rows.__getitem__)])
     flat = torch.tensor([v for vs in lists for v in vs], dtype=torch.long, device=device)
     token_t, row, off, pos, kv_slots, *decode = flat.split([len(vs) for vs in lists])
-    seq_rows, row_slots, row_lengths = decode or (None, None, None)
+    row_slots = row_lengths = seq_rows = None
+    if decodes:
+        row_slots, row_lengths, *in_order = decode
+        seq_rows = in_order[0] if in_order else None
     mask = None  # every query's keys are the whole range (decodes at one position)
     if not (one_per_seq and len(set(positions)) == 1):
         last_key = torch.zeros(num_seqs, q_max, dtype=torch.long, device=device)
