@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import re
 import shutil
 
 import pytest
@@ -42,41 +40,6 @@ def test_auto_dtype_follows_the_cpu_flags():
     assert resolve_dtype("bfloat16", "cpu", avx2) == "bfloat16"
     assert "avx512_bf16" in bf16.describe() and "avx512_bf16" not in avx2.describe()
     assert EngineConfig().dtype == "auto"
-
-
-def _thp_eligible_kb(lo: int, hi: int) -> tuple[int, int]:
-    """(kB of the mappings overlapping [lo, hi), kB of those the kernel may back with huge pages)."""
-    size = eligible = 0
-    overlaps, vma_kb = False, 0
-    for line in open("/proc/self/smaps").read().splitlines():
-        if m := re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line):
-            start, end = int(m.group(1), 16), int(m.group(2), 16)
-            overlaps, vma_kb = start < hi and end > lo, (end - start) // 1024
-            size += vma_kb if overlaps else 0
-        elif overlaps and line.startswith("THPeligible:") and line.split()[1] == "1":
-            eligible += vma_kb
-    return size, eligible
-
-
-@pytest.mark.skipif(
-    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
-    or "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read(),
-    reason="no transparent huge pages on this system",
-)
-def test_the_kv_cache_is_eligible_for_huge_pages_and_zeroed():
-    """The K/V cache (every layer's K and V, one buffer) asks the kernel for transparent huge pages
-    before its first write: all but the ragged ends of its memory are eligible for them, which
-    plain tensors of the same size are not where the system gives huge pages only on request."""
-    from replica.model.kv_cache import HUGE_PAGE, SlotKVCache
-
-    cache = SlotKVCache(4, 16, 2048, 2, 64, torch.bfloat16)
-    assert all(float(t.abs().sum()) == 0 for t in cache.k + cache.v)
-    lo, hi = cache.k[0].data_ptr(), cache.v[-1].data_ptr() + cache.v[-1].numel() * 2
-    size, eligible = _thp_eligible_kb(lo, hi)
-    assert size >= (hi - lo) // 1024 and eligible >= (hi - lo - 2 * HUGE_PAGE) // 1024
-    if "[madvise]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read():
-        plain = torch.zeros(hi - lo, dtype=torch.uint8)
-        assert _thp_eligible_kb(plain.data_ptr(), plain.data_ptr() + plain.numel())[1] == 0
 
 
 def test_gathered_attention_equals_the_range_view():
@@ -390,16 +353,3 @@ def test_bench_decode_step_finishes_no_request_in_a_measured_step(tiny_qwen2_dir
     assert len(finished) == 1 + measured  # the prefill, then every measured step
     assert finished == [0] * (1 + measured)
     assert row.parts["step"] > 0
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="no /proc: cannot see the process's mappings")
-def test_a_loaded_model_keeps_no_view_of_its_checkpoint_file(tiny_qwen2_dir):
-    """The runner copies every weight it keeps out of the loaded model (into its own layouts, or
-    a copy of its own for the embeddings and norms), so once built it maps no checkpoint file:
-    a view into the file's memory map would keep the whole file resident for the replica's life,
-    beside the copies."""
-    from replica.model.runner import ModelRunner
-
-    runner = ModelRunner(EngineConfig(model=tiny_qwen2_dir, dtype="float32", num_slots=2, max_seq_len=64))
-    mapped = open("/proc/self/maps").read()
-    assert runner.model.w["embed"].shape[0] > 0 and str(tiny_qwen2_dir) not in mapped
