@@ -189,12 +189,13 @@ static void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, n * KV, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), score;
+    // where job j's keys (and values) start: its row's slot, its K/V head
+    const auto run_of = [&](int64_t j) { return (sp[j / KV] * KV + j % KV) * Lmax * D; };
     for (int64_t job = begin; job < end; ++job) {
       const int64_t i = job / KV, kvh = job % KV, row = rp[i], len = lp[i];
-      const int64_t base = (sp[i] * KV + kvh) * Lmax * D;
-      const bool last = job + 1 == end;  // else the thread's next job's run, as `base` is this one's
-      const int64_t next_base = last ? 0 : (sp[(job + 1) / KV] * KV + (job + 1) % KV) * Lmax * D;
-      const int64_t next_len = last ? 0 : lp[(job + 1) / KV];
+      const int64_t base = run_of(job);
+      const bool last = job + 1 == end;  // else the thread's next job is asked for while this one runs
+      const int64_t next_base = last ? 0 : run_of(job + 1), next_len = last ? 0 : lp[(job + 1) / KV];
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qp[row * qs0 + (kvh * G + g) * qs1 + d]) * fscale;
       score.resize(G * len);

@@ -158,14 +158,13 @@ static inline void dot_block(const typename D::X* x, const typename D::W* w, int
   const W* ahead[NB];  // plain: the row each weight row prefetches, the last one near w's end
   if constexpr (!BLK)
     for (int i = 0; i < NB; ++i) ahead[i] = w + std::min<int64_t>(i + PREFETCH_BLOCKS * NB, left - 1) * K;
-  const W* stream_end = end - PREFETCH_BYTES / static_cast<int64_t>(sizeof(W));
   for (int j = 0; j < MB; ++j)
     for (int i = 0; i < NB; ++i) acc[j][i] = D::zero();
   int64_t k = 0;
   for (; k + L <= K; k += L) {
     if constexpr (BLK) {
       const W* at = w + k * KS;
-      if (at < stream_end)  // the NB rows' vectors at k are NB * L values in a row
+      if (at + PREFETCH_BYTES / static_cast<int64_t>(sizeof(W)) < end)  // NB rows' vectors at k: NB * L values in a row
         for (int i = 0; i < NB * L * static_cast<int>(sizeof(W)); i += 64)
           __builtin_prefetch(reinterpret_cast<const char*>(at) + PREFETCH_BYTES + i, 0, 2);  // into L2
     } else {
@@ -274,8 +273,20 @@ static void launch(const at::Tensor& x, const at::Tensor& w, bool blocked, const
     run<D, Y, false>(p);
 }
 
-// Whether a weight of this shape is blocked by `dense_layout` for a Dot of L values a step.
-static bool blocks(int64_t N, int64_t K, int L) { return N % BLOCK_ROWS == 0 && K % L == 0; }
+// Values a step of the dense Dot for weights of this dtype (0: no dense kernel for it on this build).
+static int dense_lanes(at::ScalarType dtype) {
+  if (dtype == at::kFloat) return F32Dot::L;
+#if defined(SKINNY_BF16)
+  if (dtype == at::kBFloat16) return Bf16Dot::L;
+#endif
+  return 0;
+}
+
+// Whether `dense_layout` blocks a weight [N, K] of this dtype.
+static bool blocks(int64_t N, int64_t K, at::ScalarType dtype) {
+  const int L = dense_lanes(dtype);
+  return L > 0 && N % BLOCK_ROWS == 0 && K % L == 0;
+}
 
 static void check(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                   const c10::optional<at::Tensor>& residual, const char* name) {
@@ -303,14 +314,10 @@ std::vector<std::string> dense_dtypes() {
 std::tuple<at::Tensor, bool> dense_layout(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.is_cpu() && !w.is_mkldnn(), "dense_layout: a plain CPU weight [N, K]");
   const auto dtype = w.scalar_type();
-  int L = 0;
-  if (dtype == at::kFloat) L = F32Dot::L;
-#if defined(SKINNY_BF16)
-  if (dtype == at::kBFloat16) L = Bf16Dot::L;
-#endif
+  const int L = dense_lanes(dtype);
   TORCH_CHECK(L > 0, "dense_layout: no kernel for ", dtype, " weights on this build");
   const int64_t N = w.size(0), K = w.size(1);
-  if (!blocks(N, K, L)) return {w.contiguous(), false};
+  if (!blocks(N, K, dtype)) return {w.contiguous(), false};
   at::Tensor b = w.reshape({N / BLOCK_ROWS, BLOCK_ROWS, K / L, L}).permute({0, 2, 1, 3}).contiguous();
   return {b.view({N, K}), true};
 }
@@ -328,13 +335,12 @@ at::Tensor dense_linear(at::Tensor x, at::Tensor w, bool blocked, c10::optional<
   x = x.contiguous();
   const c10::optional<at::Tensor> b = bias ? c10::optional<at::Tensor>(bias->contiguous()) : c10::nullopt;
   const c10::optional<at::Tensor> r = residual ? c10::optional<at::Tensor>(residual->contiguous()) : c10::nullopt;
+  TORCH_CHECK(!blocked || blocks(w.size(0), w.size(1), dtype), "dense_linear: this weight is never blocked");
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
   if (dtype == at::kFloat) {
-    TORCH_CHECK(!blocked || blocks(w.size(0), w.size(1), F32Dot::L), "dense_linear: this shape is never blocked");
     launch<F32Dot, float>(x, w, blocked, nullptr, b, r, y);
 #if defined(SKINNY_BF16)
   } else if (dtype == at::kBFloat16) {
-    TORCH_CHECK(!blocked || blocks(w.size(0), w.size(1), Bf16Dot::L), "dense_linear: this shape is never blocked");
     launch<Bf16Dot, at::BFloat16>(x, w, blocked, nullptr, b, r, y);
 #endif
   } else {
