@@ -150,10 +150,13 @@ class Placer:
                 if not actor_gone(err):
                     raise
             else:
-                if not flight.settle():
+                again = flight.settle(replica_id)
+                if again is None:
                     flight.handover_from = None  # taken (or computed again) there
-                    return
-            moved_from = replica_id  # refused, gone, its stream broke meanwhile, or it was handed back
+                else:  # placed, and handed back or cut off at once: a move of its own, recorded
+                    self._loop.spawn(self._move(flight, replica_id, again))
+                return
+            moved_from = replica_id  # refused there, or gone
 
     @staticmethod
     async def _wait_for_room(flight: Flight, refused: OverloadedError, patience: float | None) -> None:
@@ -196,7 +199,7 @@ class Placer:
         """Put the flight on this client's stream from the replica, opening one if needed."""
         if replica_id not in self.replicas:
             self.replicas.update(await self.router_call(lambda r: r.replicas.remote()))
-        flight.placing, flight.handed_back = True, False
+        flight.placing, flight.handed_back = True, None
         with self._feeds_lock:
             feed = self._feeds.get(replica_id)
             if feed is None or not feed.add(flight):

@@ -107,7 +107,7 @@ class Flight:
     # (`Flight.settle`), so no request is ever moved twice at once.
     feed: ReplicaFeed | None = None
     placing: bool = False
-    handed_back: bool = False
+    handed_back: str | None = None  # why its replica handed it back while it was being placed
     # The prompt's chained block hashes (`protocol.blocks`), for prefix-aware routing.
     block_hashes: tuple[int, ...] = ()
     block_size: int = defaults.BLOCK_SIZE
@@ -146,14 +146,15 @@ class Flight:
         if not self.hold_end(event):
             self.sink(event)
 
-    def settle(self) -> bool:
-        """The replica accepted the flight: hand it to its feed. True when it must move again
-        at once: the feed broke meanwhile, or the replica already handed it back."""
+    def settle(self, replica_id: str) -> str | None:
+        """The replica accepted the flight: hand it to its feed. Returns why it must move again
+        at once (None: it stays): the feed broke meanwhile, or the replica already handed it back
+        (a prefill replica can hand a request over before its submit call has returned)."""
         feed = self.feed
         with feed.lock:
             self.placing = False
-            again = feed.dead or self.handed_back
-            if again:
+            again = f"stream from {replica_id} broke" if feed.dead else self.handed_back
+            if again is not None:
                 feed.flights.pop(self.request_id, None)
         return again
 
@@ -250,7 +251,7 @@ class ReplicaFeed:
                         why = event.error or (PREFILL_HANDOVER if event.handed_over else why)
                         flight.handover_from = self._replica_id if event.handed_over else None
                         if flight.placing:
-                            flight.handed_back = True  # its placer moves it
+                            flight.handed_back = why  # its placer moves it
                         else:
                             moved.append(flight)
                         continue
