@@ -8,7 +8,9 @@ prefill/decode split and scaling when the file sweeps them); its figure is the m
 seeds both sides ran (each seed's latest complete run), read with the SLO each run was recorded
 with. Cells run on only one side (Ray Serve's routers have no simulated twin) are listed and
 left out of the comparison. Prints
-per cell simulated against cluster TTFT p90 and p50 and goodput, then the Spearman rank
+per cell simulated against cluster TTFT p90 and p50, goodput and the share of requests that met
+the SLO (near saturation few do, and a few requests either side of a limit move goodput by tens
+of percent: the share says how many), then the Spearman rank
 correlation of each metric across the cells both sides ran (average ranks for ties; target for
 TTFT p90: at least 0.9; not judged on fewer than 3 cells), and the median relative error for
 information. Where the cells split the replicas into prefill and decode pools, it also says per
@@ -51,6 +53,7 @@ METRICS = {
     "ttft_p90": lambda a: a["cluster"]["ttft"]["p90"],
     "ttft_p50": lambda a: a["cluster"]["ttft"]["p50"],
     "goodput": lambda a: a["cluster"]["goodput"],
+    "slo_attainment": lambda a: 100 * a["cluster"]["slo_attainment"],  # in percent
 }
 # a sized cell's replica-seconds within this relative error, its SLO attainment within these points
 SCALED_TARGETS = {"replica_seconds": 0.10, "slo_attainment": 3.0}
@@ -76,7 +79,6 @@ def runs_by_cell(path: Path, experiment: str) -> dict[tuple, dict[int, dict[str,
             figures = {m: f(a) for m, f in METRICS.items()}
             if config.get("scaling"):
                 figures["replica_seconds"] = replica_timeline(store, run["run_id"]).replica_seconds
-                figures["slo_attainment"] = 100 * a["cluster"]["slo_attainment"]
             runs.setdefault(key, {})[run["seed"]] = figures
     finally:
         store.close()
@@ -237,12 +239,13 @@ def main() -> None:
         raise SystemExit(f"no cell of {args.experiment!r} is in both stores")
     width = max(len(label(k, shown)) for k in both) + 2
     print(f"{'cell':<{width}}{'TTFT p90 sim':>14}{'cluster':>9}{'p50 sim':>9}{'cluster':>9}", end="")
-    print(f"{'goodput sim':>13}{'cluster':>9}{'error':>8}")
+    print(f"{'goodput sim':>13}{'cluster':>9}{'error':>8}{'SLO met % sim':>15}{'cluster':>9}")
     for k in both:
         s, r = sim[k], real[k]
         print(f"{label(k, shown):<{width}}{s['ttft_p90']:>14.3f}{r['ttft_p90']:>9.3f}", end="")
         error = f"{(s['goodput'] - r['goodput']) / r['goodput']:+.1%}" if r["goodput"] else "-"
-        print(f"{s['ttft_p50']:>9.3f}{r['ttft_p50']:>9.3f}{s['goodput']:>13.1f}{r['goodput']:>9.1f}{error:>8}")
+        print(f"{s['ttft_p50']:>9.3f}{r['ttft_p50']:>9.3f}{s['goodput']:>13.1f}{r['goodput']:>9.1f}{error:>8}", end="")
+        print(f"{s['slo_attainment']:>15.1f}{r['slo_attainment']:>9.1f}")
     for k in both:
         if (errors := scaled(sim[k], real[k])) is not None:
             (seconds, s_ok), (points, p_ok) = errors["replica_seconds"], errors["slo_attainment"]
