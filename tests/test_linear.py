@@ -223,3 +223,30 @@ def test_the_suite_measures_its_crossovers_apart_from_the_users_cache():
     session = cache_dir()
     assert session == Path(os.environ["SLOTSERVE_TEST_CACHE"]) and session != Path.home() / ".cache" / "slotserve"
     assert not (session / linear.CROSSOVER_FILE).is_symlink()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gathered_skinny_copies_are_one_stream_in_order_with_the_same_products(monkeypatch, dtype):
+    """`gather_skinny_weights` moves the Linears' skinny copies into one buffer, each right after
+    the one before it (to the cache line) in the order given, skipping a Linear without one; every
+    product stays the same bit for bit, blocked and plain copies alike."""
+    from replica.model import linear
+
+    skinny_matmul = _skinny_kernel()
+    if dtype not in skinny_matmul.dense_dtypes():
+        pytest.skip("no AVX512_BF16 here: bf16 weights keep to oneDNN")
+    monkeypatch.setattr(linear, "crossover", lambda path, lin, fast: linear.CROSSOVER_ROWS[-1])
+    torch.manual_seed(0)
+    shapes = ((64, 576), (13, 64), (192, 1536), (8, 64))  # (13, 64) stays plain: its rows fill no block
+    linears = [Linear(torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)) for n, k in shapes]
+    linears.insert(2, Linear(torch.randn(16, 64).to(dtype), skinny=False))
+    xs = [torch.randn(rows, lin.shape[1]).to(dtype) for lin in linears for rows in (1, 5)]
+    before = [lin(x) for lin in linears for x in xs if x.shape[1] == lin.shape[1]]
+    linear.gather_skinny_weights(linears)
+    held = [lin.skinny_weight.data for lin in linears if lin.skinny_weight is not None]
+    assert len(held) == 4 and len({t.untyped_storage().data_ptr() for t in held}) == 1
+    for a, b in zip(held, held[1:]):
+        end = a.data_ptr() + a.numel() * a.element_size()
+        assert end <= b.data_ptr() < end + linear._ALIGN_BYTES and b.data_ptr() % linear._ALIGN_BYTES == 0
+    after = [lin(x) for lin in linears for x in xs if x.shape[1] == lin.shape[1]]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))

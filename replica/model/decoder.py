@@ -17,7 +17,7 @@ from replica.kernels import decode_attention
 from replica.kernels import fused_ops as fused_kernels
 from replica.model.attention import AttentionMetadata, PagedAttentionMetadata, paged_attention, slot_attention
 from replica.model.kv_cache import PagedKVCache, SlotKVCache
-from replica.model.linear import Linear
+from replica.model.linear import Linear, gather_skinny_weights
 
 # The weight matrices of a layer (and the LM head) that go through Linear.
 _MATRICES = ("qkv", "o", "gate_up", "up", "down", "lm_head")
@@ -134,6 +134,10 @@ class Decoder:
         # the replica's life.
         self.w = {k: v.clone() for k, v in state.items()}
         self.layers = [self._layer(f"layers.{i}") for i in range(shape.num_layers)]
+        # the skinny kernel's copies as one stream, in the order a step reads them
+        gather_skinny_weights(
+            [m for layer in self.layers for m in (layer.qkv, layer.o, layer.up, layer.down)] + [self.linear["lm_head"]]
+        )
         self.final_norm = self._norm_weights("final_norm")
         device = state["embed"].device
         # RMSNorm, RoPE with the cache write, and SiLU-times-up as C++ kernels where they are built (CPU)

@@ -10,34 +10,14 @@
 
 from __future__ import annotations
 
-import ctypes
-import sys
 from dataclasses import dataclass
 
 import torch
 
+from replica.model.memory import empty_on_huge_pages
 from replica.scheduling.request import Request
 from replica.scheduling.scheduler import SchedulerConfig
 from replica.scheduling.slot_table import SlotTable
-
-# madvise(2)'s advice to back a range with transparent huge pages (Linux).
-MADV_HUGEPAGE = 14
-HUGE_PAGE = 2 * 2**20
-
-
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
-    """A zeroed tensor whose memory the kernel is asked, before it is first written, to back
-    with transparent huge pages (on Linux, on the CPU, where the system allows it on request;
-    elsewhere plain zeros). Why: a step's attention reads each row's K/V from places scattered
-    over the whole cache, and on 4 KiB pages nearly every one costs a TLB miss, whose page walk
-    is dearer still in a virtual machine; on 2 MiB pages a layer's cache is a few entries."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the whole huge pages inside the tensor
-    end = (t.data_ptr() + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
-    if t.device.type == "cpu" and sys.platform == "linux" and end > start:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)  # advice: may be refused
-    return t.zero_()
 
 
 @dataclass(frozen=True)
@@ -63,8 +43,10 @@ class KVCache:
         device: str = "cpu",
     ):
         shape = (rows, num_kv_heads, cols, head_dim)
+        # One buffer for every layer, on huge pages: a step's attention reads each row's K/V from
+        # places scattered over the whole cache (`replica.model.memory` says why that pays).
         # Zeros, not empty: padded attention rows read cache rows nobody wrote, and must see finite values.
-        layers = zeros_on_huge_pages((2 * num_layers, *shape), dtype, device)
+        layers = empty_on_huge_pages((2 * num_layers, *shape), dtype, device).zero_()
         self.k, self.v = list(layers[:num_layers]), list(layers[num_layers:])
         self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * self.k[0].element_size()
 

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from replica.kernels import skinny_matmul
 from replica.kernels.cpu import cpu_info
 from replica.model.loader import cache_dir
+from replica.model.memory import empty_on_huge_pages, return_freed_memory
 
 # The row count oneDNN tunes the packed layout for: a full decode batch of the default config.
 PACK_ROWS_HINT = 64
@@ -154,6 +155,47 @@ class Linear:
         if self.bias is not None:
             y += self.bias
         return y if residual is None else y.add_(residual)
+
+
+# Where each skinny copy starts in the shared buffer: a whole cache line, as a tensor of its own would.
+_ALIGN_BYTES = 64
+# Moved copies are handed back to the system in batches of this many bytes (a trim per copy is
+# a second of loading; one at the end would hold every copy twice while the buffer fills).
+_RETURN_EVERY_BYTES = 32 * 2**20
+
+
+def gather_skinny_weights(linears: list[Linear]) -> None:
+    """Move the skinny kernel's copies of `linears` into one buffer on huge pages, each after the
+    one before it in the order given (the order a step reads them). Why: a step of few rows streams
+    every weight once, matrix after matrix; as one stretch of memory on 2 MiB pages
+    (`replica.model.memory`) the stream costs a few TLB entries instead of a miss per 4 KiB
+    page, and the memory it reads next is the next matrix. The products are the same bit for bit:
+    only where the values live changes. Each copy goes back to the system once it has moved, and the
+    buffer's pages are taken only as it fills, so loading holds little more than one set of copies."""
+    held = [linear for linear in linears if linear.skinny_weight is not None]
+    if not held:
+        return
+    first = held[0].skinny_weight.data
+    per_line = _ALIGN_BYTES // first.element_size()
+    offsets, size = [], 0
+    for linear in held:
+        data = linear.skinny_weight.data
+        if data.dtype != first.dtype or data.device != first.device:
+            raise ValueError(f"skinny copies of one buffer share a dtype and device: {data.dtype} {data.device}")
+        offsets.append(size)
+        size += -(-data.numel() // per_line) * per_line
+    buffer = empty_on_huge_pages((size,), first.dtype, str(first.device))
+    freed = 0
+    for linear, offset in zip(held, offsets):
+        old = linear.skinny_weight
+        moved = buffer[offset : offset + old.data.numel()].view(old.data.shape)
+        moved.copy_(old.data)
+        freed += old.data.numel() * old.data.element_size()
+        linear.skinny_weight = old = skinny_matmul.DenseWeight(moved, old.blocked)
+        if freed >= _RETURN_EVERY_BYTES:  # the copies moved, else kept by the heap while the buffer fills
+            return_freed_memory()
+            freed = 0
+    return_freed_memory()
 
 
 def _median_seconds(fns: dict[str, Callable[[], torch.Tensor]], reps: int) -> dict[str, float]:

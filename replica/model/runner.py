@@ -4,9 +4,6 @@ pass over it, and samples a token for every sequence whose pending tokens are al
 
 from __future__ import annotations
 
-import ctypes
-import sys
-
 import torch
 
 from replica.config import EngineConfig, resolve_dtype
@@ -20,24 +17,12 @@ from replica.model.attention import (
 from replica.model.decoder import Decoder
 from replica.model.kv_cache import PagedKVCache, SlotKVCache
 from replica.model.loader import load_hf_model
+from replica.model.memory import return_freed_memory
 from replica.model.sampler import Sampler
 from replica.scheduling.request import Request
 from replica.scheduling.scheduler import SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _return_freed_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc's `malloc_trim`; elsewhere nothing).
-    Loading frees the source model and every weight that was copied into another layout, a few
-    hundred MB in pieces of a few MB, which glibc keeps for reuse that never comes: the replica
-    would hold them for its whole life."""
-    if sys.platform != "linux":
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc
 
 
 def pick_device(device: str) -> str:
@@ -72,7 +57,7 @@ class ModelRunner:
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_token_ids = {t for t in (*eos, self.tokenizer.eos_token_id) if t is not None}
         del hf
-        _return_freed_memory()
+        return_freed_memory()
         kv_shape = (shape.num_kv_heads, shape.head_dim, DTYPES[self.dtype], self.device)
         if config.kv_cache == "paged":
             self.cache: SlotKVCache | PagedKVCache = PagedKVCache(
