@@ -159,8 +159,8 @@ class Linear:
 
 # Where each skinny copy starts in the shared buffer: a whole cache line, as a tensor of its own would.
 _ALIGN_BYTES = 64
-# Moved copies are handed back to the system in batches of this many bytes (a trim per copy is
-# a second of loading; one at the end would hold every copy twice while the buffer fills).
+# Moved copies are handed back to the system in batches of this many bytes: each trim walks the
+# whole heap, and one at the end would hold every copy twice while the buffer fills.
 _RETURN_EVERY_BYTES = 32 * 2**20
 
 
