@@ -38,6 +38,9 @@ class LoadReport:
     # it knows (a fake replica's cost model; a router predicting latency prices its queue by it).
     ttft: dict[str, float] = field(default_factory=dict)
     pricing: StepPricing | None = None
+    # The most K/V tokens its requests may hold at once (its budget; 0: not said): with long
+    # prompts it admits fewer requests than it has slots.
+    kv_capacity_tokens: int = 0
 
 
 @dataclass(frozen=True)

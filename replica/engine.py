@@ -281,6 +281,7 @@ class Engine:
             tokens_made={r.request_id: r.num_output_tokens for r in live},
             ttft={r.request_id: r.token_times[0] - r.arrival_time for r in live if r.token_times},
             pricing=self.pricing,
+            kv_capacity_tokens=slots.kv_budget_tokens,
         )
 
     @property

@@ -5,10 +5,13 @@ if none does). The policy class lives with the others (`router.policies`, whose 
 module would otherwise import in a circle); the prediction is here.
 
 A prediction walks the replica's queue as the router knows it, one engine step at a time, the
-way its scheduler would run it: the requests in flight there in dispatch order, the first
-`num_slots` of them holding slots; each step runs a decode row for every slot past its prefill,
-then prefill chunks within the replica's token budget; a request whose expected output
-(`router.length_predictor.BucketedLength`) is made frees its slot for the next. A request's
+way its scheduler would run it: the requests in flight there in dispatch order, the first of
+them holding slots: at most `num_slots`, and no more than the replica's K/V budget holds
+(`LoadReport.kv_capacity_tokens`: with long prompts a paged replica admits fewer requests than
+it has slots, and a walk that filled every slot would miss the wait for K/V); each step runs
+a decode row for every slot past its prefill, then prefill chunks within the replica's token
+budget; a request whose expected output (`router.length_predictor.BucketedLength`) is made
+frees its slot for the next. A request's
 prefill is its prompt less the prefix the replica holds (the precise block index kept from the
 replica's K/V events, and the prompts in flight there: `PrecisePrefix.matched`; none on a
 replica that sends no K/V events, which has no prefix cache), as it was at dispatch; one whose
@@ -132,6 +135,11 @@ class _Row:
     prefill_left: float
     context: float  # tokens whose K/V it holds
     decode_left: float
+    shared: float = 0.0  # of `context`, the prefix it found cached (blocks other requests may hold too)
+
+    def kv_need(self) -> float:
+        """The K/V tokens it holds of its own once its prompt is in."""
+        return self.context - self.shared + self.prefill_left
 
 
 @dataclass(frozen=True)
@@ -204,8 +212,9 @@ class LatencyModel:
         report = view.report
         pricing = report.pricing if report is not None and report.pricing is not None else DEFAULT_PRICING
         slots = report.num_slots if report is not None else defaults.NUM_SLOTS
-        new = _Row(request.prompt_len - cached, cached, max(1.0, expected_output))
-        return _walk(pricing, slots, self._rows(view), new, view.report_age or 0.0)
+        kv_tokens = report.kv_capacity_tokens if report is not None else 0
+        new = _Row(request.prompt_len - cached, cached, max(1.0, expected_output), cached)
+        return _walk(pricing, slots, kv_tokens, self._rows(view), new, view.report_age or 0.0)
 
     def _rows(self, view: ReplicaView) -> list[_Row]:
         """The replica's requests in flight, in dispatch order, as far as its last report says."""
@@ -217,9 +226,9 @@ class LatencyModel:
             if made is None:
                 continue  # ended before the report (its completion is on its way)
             if made == 0:
-                rows.append(_Row(placed.to_prefill, placed.cached, expected))
+                rows.append(_Row(placed.to_prefill, placed.cached, expected, placed.cached))
             else:
-                rows.append(_Row(0.0, placed.prompt_len + made, 0.0))
+                rows.append(_Row(0.0, placed.prompt_len + made, 0.0, placed.cached))
                 decoding.append((rows[-1], expected, made))
         ahead = self.residuals.remaining([(expected, made) for _, expected, made in decoding])
         for (row, _, _), left in zip(decoding, ahead):
@@ -311,14 +320,32 @@ def _learned(log_error: float, ratio: float) -> float:
     return log_error + CORRECTION_WEIGHT * (math.log(ratio) - log_error)
 
 
-def _walk(pricing: StepPricing, slots: int, rows: list[_Row], new: _Row, age: float) -> Prediction:
+def _admitted(queue: list[_Row], slots: int, kv_tokens: int) -> list[_Row]:
+    """The rows that hold slots: the first in order, at most `slots`, and while their K/V fits
+    `kv_tokens` (0: no bound) once their prompts are in, as a paged replica admits (always the
+    first). Their cached prefixes are taken as one shared prefix, held once: requests routed to
+    a replica for its cache mostly share the one it held."""
+    running: list[_Row] = []
+    own = shared = 0.0
+    for row in queue[:slots]:
+        need_own, need_shared = own + row.kv_need(), max(shared, row.shared)
+        if running and kv_tokens and need_own + need_shared > kv_tokens:
+            break
+        running.append(row)
+        own, shared = need_own, need_shared
+    return running
+
+
+def _walk(pricing: StepPricing, slots: int, kv_tokens: int, rows: list[_Row], new: _Row, age: float) -> Prediction:
     """Step the queue `rows` with `new` behind them until `new` has made its first token and
     `TPOT_STEPS` more (or its expected output): its TTFT and mean time per output token after
     the first. The walk starts at the report, `age` seconds ago: `new` joins the first step
     that starts after now (it waits out the one in progress), or starts at once on an idle
-    replica."""
+    replica. A row runs once it holds a slot and its K/V fits the replica's `kv_tokens`
+    (`_admitted`)."""
     cost, budget = pricing.cost, pricing.token_budget
-    queue = [_Row(r.prefill_left, r.context, r.decode_left) for r in rows]
+    queue = [_Row(r.prefill_left, r.context, r.decode_left, r.shared) for r in rows]
+    full = new not in _admitted([*queue, new], slots, kv_tokens)  # as reported, no room for it
     busy = bool(queue)
     elapsed, first_token, decoded = 0.0, None, 0
     joined = slotted = None
@@ -326,7 +353,7 @@ def _walk(pricing: StepPricing, slots: int, rows: list[_Row], new: _Row, age: fl
         if joined is None and (elapsed >= age or not busy):
             queue.append(new)
             joined = elapsed
-        running = queue[:slots]
+        running = _admitted(queue, slots, kv_tokens)
         if slotted is None and new in running:
             slotted = elapsed
         decodes = [r for r in running if r.prefill_left <= 0]
@@ -359,11 +386,11 @@ def _walk(pricing: StepPricing, slots: int, rows: list[_Row], new: _Row, age: fl
                 break
         elapsed += pricing.loop_overhead  # the serving loop's own work before the next step
         queue = [r for r in queue if r.decode_left > 0]
-    # on a replica whose slots were all held, the wait for one counts from now (its end is a
+    # on a replica whose slots (or K/V) were all held, the wait for one counts from now (its end is a
     # guess at the lengths ahead), even when a slot is predicted to free as it joins
     if joined is None:  # the walk's bound came before the report's age: it never joined
         return Prediction(elapsed, math.inf)
-    waited_from = min(joined, age) if len(rows) >= slots else joined
+    waited_from = min(joined, age) if full else joined
     wait = (elapsed if slotted is None else slotted) - waited_from
     if first_token is None:
         return Prediction(elapsed, math.inf, wait)
