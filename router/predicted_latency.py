@@ -8,26 +8,26 @@ A prediction walks the replica's queue as the router knows it, one engine step a
 way its scheduler would run it: the requests in flight there in dispatch order, the first of
 them holding slots: at most `num_slots`, and no more than the replica's K/V budget holds
 (`LoadReport.kv_capacity_tokens`: with long prompts a paged replica admits fewer requests than
-it has slots, and a walk that filled every slot would miss the wait for K/V); each step runs
-a decode row for every slot past its prefill, then prefill chunks within the replica's token
+it has slots, and a walk that filled every slot would miss the wait for K/V); each step runs a
+decode row for every slot past its prefill, then prefill chunks within the replica's token
 budget; a request whose expected output (`router.length_predictor.BucketedLength`) is made
-frees its slot for the next. A request's
-prefill is its prompt less the prefix the replica holds (the precise block index kept from the
-replica's K/V events, and the prompts in flight there: `PrecisePrefix.matched`; none on a
-replica that sends no K/V events, which has no prefix cache), as it was at dispatch; one whose
-first token the last load report shows is decoding, with the output still to come given what it
-has made, read off the recent finished outputs that ran longer (`OutputResiduals`): the decoding
-rows of a replica are spread over that distribution, so its first slot frees when the shortest
-of them is likely to end. A point estimate per row (expected output less what it made) misses
-both ways: a row that has outlived its estimate, as outputs with a heavy tail often do, looks a
-step from its end, and rows that each look long hide that one of them is likely to end soon. The
-walk starts at that report, so the steps since then count as past. Each step is priced by the
-replica's own cost model (`protocol.cost.StepPricing`, on its load reports), so replicas of
-different speeds are told apart from their first report, and followed by the serving loop's
-own time between steps where the replica states it apart (a fake one, whose stated prices are
-a step's work alone); a real model reports the prices it measured from its own steps, the
-loop's time within them (`replica.pricing`), once it has run a few dozen, and until then is
-priced by `DEFAULT_PRICING`, which its correction scales to its speed.
+frees its slot for the next. A request's prefill is its prompt less the prefix the replica
+holds (the precise block index kept from the replica's K/V events, and the prompts in flight
+there: `PrecisePrefix.matched`; none on a replica that sends no K/V events, which has no prefix
+cache), as it was at dispatch; one whose first token the last load report shows is decoding,
+with the output still to come given what it has made, read off the recent finished outputs that
+ran longer (`OutputResiduals`): the decoding rows of a replica are spread over that
+distribution, so its first slot frees when the shortest of them is likely to end. A point
+estimate per row (expected output less what it made) misses both ways: a row that has outlived
+its estimate, as outputs with a heavy tail often do, looks a step from its end, and rows that
+each look long hide that one of them is likely to end soon. The walk starts at that report, so
+the steps since then count as past. Each step is priced by the replica's own cost model
+(`protocol.cost.StepPricing`, on its load reports), so replicas of different speeds are told
+apart from their first report, and followed by the serving loop's own time between steps where
+the replica states it apart (a fake one, whose stated prices are a step's work alone); a real
+model reports the prices it measured from its own steps, the loop's time within them
+(`replica.pricing`), once it has run a few dozen, and until then is priced by
+`DEFAULT_PRICING`, which its correction scales to its speed.
 
 The corrections: each replica's reports say how long its requests waited for their first token
 (`LoadReport.ttft`), and the policy keeps, per replica, an exponentially weighted mean of
@@ -60,7 +60,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from protocol import defaults
 from protocol.cost import LinearCostModel, StepPricing
@@ -325,11 +325,13 @@ def _admitted(queue: list[_Row], slots: int, kv_tokens: int) -> list[_Row]:
     `kv_tokens` (0: no bound) once their prompts are in, as a paged replica admits (always the
     first). Their cached prefixes are taken as one shared prefix, held once: requests routed to
     a replica for its cache mostly share the one it held."""
+    if not kv_tokens:
+        return queue[:slots]
     running: list[_Row] = []
     own = shared = 0.0
     for row in queue[:slots]:
         need_own, need_shared = own + row.kv_need(), max(shared, row.shared)
-        if running and kv_tokens and need_own + need_shared > kv_tokens:
+        if running and need_own + need_shared > kv_tokens:
             break
         running.append(row)
         own, shared = need_own, need_shared
@@ -344,7 +346,7 @@ def _walk(pricing: StepPricing, slots: int, kv_tokens: int, rows: list[_Row], ne
     replica. A row runs once it holds a slot and its K/V fits the replica's `kv_tokens`
     (`_admitted`)."""
     cost, budget = pricing.cost, pricing.token_budget
-    queue = [_Row(r.prefill_left, r.context, r.decode_left, r.shared) for r in rows]
+    queue = [replace(r) for r in rows]
     full = new not in _admitted([*queue, new], slots, kv_tokens)  # as reported, no room for it
     busy = bool(queue)
     elapsed, first_token, decoded = 0.0, None, 0

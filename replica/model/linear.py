@@ -170,8 +170,9 @@ def gather_skinny_weights(linears: list[Linear]) -> None:
     every weight once, matrix after matrix; as one stretch of memory on 2 MiB pages
     (`replica.model.memory`) the stream costs a few TLB entries instead of a miss per 4 KiB
     page, and the memory it reads next is the next matrix. The products are the same bit for bit:
-    only where the values live changes. Each copy goes back to the system once it has moved, and the
-    buffer's pages are taken only as it fills, so loading holds little more than one set of copies."""
+    only where the values live changes. The moved copies go back to the system as the buffer fills
+    (the last few with the loader's own trim), whose pages are taken only as it fills, so loading
+    holds little more than one set of copies."""
     held = [linear for linear in linears if linear.skinny_weight is not None]
     if not held:
         return
@@ -187,15 +188,15 @@ def gather_skinny_weights(linears: list[Linear]) -> None:
     buffer = empty_on_huge_pages((size,), first.dtype, str(first.device))
     freed = 0
     for linear, offset in zip(held, offsets):
-        old = linear.skinny_weight
-        moved = buffer[offset : offset + old.data.numel()].view(old.data.shape)
-        moved.copy_(old.data)
-        freed += old.data.numel() * old.data.element_size()
-        linear.skinny_weight = old = skinny_matmul.DenseWeight(moved, old.blocked)
+        data, blocked = linear.skinny_weight.data, linear.skinny_weight.blocked
+        moved = buffer[offset : offset + data.numel()].view(data.shape)
+        moved.copy_(data)
+        freed += data.numel() * data.element_size()
+        linear.skinny_weight = skinny_matmul.DenseWeight(moved, blocked)
+        del data  # its last reference: the copy is free now
         if freed >= _RETURN_EVERY_BYTES:  # the copies moved, else kept by the heap while the buffer fills
             return_freed_memory()
             freed = 0
-    return_freed_memory()
 
 
 def _median_seconds(fns: dict[str, Callable[[], torch.Tensor]], reps: int) -> dict[str, float]:
