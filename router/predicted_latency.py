@@ -1,58 +1,54 @@
-"""The model behind the `predicted_latency` routing policy (`router.policies.PredictedLatency`),
-after llm-d's predicted-latency scorer: predict each replica's TTFT and TPOT for this request
-and send it where the TTFT is lowest among the replicas whose TPOT meets the SLO (all of them,
-if none does). The policy class lives with the others (`router.policies`, whose registry this
-module would otherwise import in a circle); the prediction is here.
+"""The model behind the `predicted_latency` routing policy (`router.policies.PredictedLatency`), after
+llm-d's predicted-latency scorer: predict each replica's TTFT and TPOT for this request and send it
+where the TTFT is lowest among the replicas whose TPOT meets the SLO (all of them, if none does).
+The policy class lives with the others (`router.policies`, whose registry this module would
+otherwise import in a circle); the prediction is here.
 
-A prediction walks the replica's queue as the router knows it, one engine step at a time, the
-way its scheduler would run it: the requests in flight there in dispatch order, the first of
-them holding slots: at most `num_slots`, and no more than the replica's K/V budget holds
-(`LoadReport.kv_capacity_tokens`: with long prompts a paged replica admits fewer requests than
-it has slots, and a walk that filled every slot would miss the wait for K/V); each step runs a
-decode row for every slot past its prefill, then prefill chunks within the replica's token
-budget; a request whose expected output (`router.length_predictor.BucketedLength`) is made
-frees its slot for the next. A request's prefill is its prompt less the prefix the replica
-holds (the precise block index kept from the replica's K/V events, and the prompts in flight
-there: `PrecisePrefix.matched`; none on a replica that sends no K/V events, which has no prefix
-cache), as it was at dispatch; one whose first token the last load report shows is decoding,
-with the output still to come given what it has made, read off the recent finished outputs that
-ran longer (`OutputResiduals`): the decoding rows of a replica are spread over that
-distribution, so its first slot frees when the shortest of them is likely to end. A point
-estimate per row (expected output less what it made) misses both ways: a row that has outlived
-its estimate, as outputs with a heavy tail often do, looks a step from its end, and rows that
-each look long hide that one of them is likely to end soon. The walk starts at that report, so
-the steps since then count as past. Each step is priced by the replica's own cost model
-(`protocol.cost.StepPricing`, on its load reports), so replicas of different speeds are told
-apart from their first report, and followed by the serving loop's own time between steps where
-the replica states it apart (a fake one, whose stated prices are a step's work alone); a real
-model reports the prices it measured from its own steps, the loop's time within them
-(`replica.pricing`), once it has run a few dozen, and until then is priced by
-`DEFAULT_PRICING`, which its correction scales to its speed.
+A prediction walks the replica's queue as the router knows it, one engine step at a time, the way
+its scheduler would run it: the requests in flight there in dispatch order (one that no report of
+the replica has listed yet is queued: it is on its way, or in the replica's inbox while a long step
+runs; one listed before and not now has ended), the first of them holding slots: at most
+`num_slots`, and no more than the replica's K/V budget holds (`LoadReport.kv_capacity_tokens`: with
+long prompts a paged replica admits fewer requests than it has slots, and a walk that filled every
+slot would miss the wait for K/V); each step runs a decode row for every slot past its prefill, then
+prefill chunks within the replica's token budget; a request whose expected output
+(`router.length_predictor.BucketedLength`) is made frees its slot for the next. A request's prefill
+is its prompt less the prefix the replica holds (the precise block index kept from its K/V events
+and the prompts in flight there, `PrecisePrefix.matched`; none on a replica that sends no K/V
+events: it has no prefix cache), as it was at dispatch; one whose first token the last load report
+shows is decoding, with the output still to come given what it has made, read off the recent
+finished outputs that ran longer (`OutputResiduals`): the decoding rows of a replica are spread over
+that distribution, so its first slot frees when the shortest of them is likely to end. A point
+estimate per row (expected output less what it made) misses both ways: a row that has outlived its
+estimate, as outputs with a heavy tail often do, looks a step from its end, and rows that each look
+long hide that one of them is likely to end soon. The walk starts at that report, so the steps since
+then count as past. Each step is priced by the replica's own cost model
+(`protocol.cost.StepPricing`, on its load reports), so replicas of different speeds are told apart
+from their first report, and followed by the serving loop's own time between steps where the replica
+states it apart (a fake one, whose stated prices are a step's work alone); a real model reports the
+prices it measured from its own steps, the loop's time within them (`replica.pricing`), once it has
+run a few dozen, and until then is priced by `DEFAULT_PRICING`, which its correction scales to its
+speed.
 
 The corrections: each replica's reports say how long its requests waited for their first token
 (`LoadReport.ttft`), and the policy keeps, per replica, an exponentially weighted mean of
-log(measured / predicted): what its pricing misses (a model's real speed, steps the walk does
-not foresee). A TTFT counts from the client's send; where the request says when that was
-(`RouteRequest.sent_at`), what it waited before the router saw it is taken off the measured
-TTFT the correction learns from and added to the TTFT a decision records
-(`router.router._from_send`), so the correction scales only what the walk prices.
-A request that found every slot held waited for one: how long is a guess at the lengths
-ahead of it, not a price, so that part of its prediction (`Prediction.slot_wait`) has its own
-correction, learned over every replica from such requests' measured TTFT less their priced
-prefill, and leaves the replica's own. The TPOT has its own, learned the same way from the
-decode its reports show: a request's time per token over its first `TPOT_STEPS` tokens after
-the first, read off two reports' `tokens_made`, against the TPOT predicted at its dispatch.
-The walk sees only the requests already routed, so it misses what decode pays for the prompts
-routed there while the request runs (each prefill chunk lengthens a step of every running
-row); a replica whose decode is near the TPOT limit
-(a slow one) passes the filter on the walk alone and then misses it. Until a replica has
-shown a TPOT, its TTFT correction stands in for both (a replica that reports no pricing is
-slower or faster as a whole). The predicted TTFT of the chosen replica is what the decision
-records (`Decision.predicted_ttft`), and reports compare it with the measured one
-(`metrics.goodput_report`: TTFT prediction MAPE).
-
-The walk is bounded (`MAX_WALK_STEPS`); past it the prediction is what it has reached, which
-already ranks that replica behind any that can serve sooner.
+log(measured / predicted): what its pricing misses (a model's real speed, steps the walk does not
+foresee). A TTFT counts from the client's send; where the request says when that was
+(`RouteRequest.sent_at`), what it waited before the router saw it is taken off the measured TTFT the
+correction learns from and added to the TTFT a decision records (`router.router._from_send`), so the
+correction scales only what the walk prices. A request that found every slot held waited for one:
+how long is a guess at the lengths ahead of it, not a price, so that part of its prediction
+(`Prediction.slot_wait`) has its own correction, learned over every replica from such requests'
+measured TTFT less their priced prefill, and leaves the replica's own. The TPOT has its own, learned
+the same way from the decode its reports show: a request's time per token over its first
+`TPOT_STEPS` tokens after the first, read off two reports' `tokens_made`, against the TPOT predicted
+at its dispatch. The walk sees only the requests already routed, so it misses what decode pays for
+the prompts routed there while the request runs (each prefill chunk lengthens a step of every
+running row); a replica whose decode is near the TPOT limit (a slow one) passes the filter on the
+walk alone and then misses it. Until a replica has shown a TPOT, its TTFT correction stands in for
+both (a replica that reports no pricing is slower or faster as a whole). The predicted TTFT of the
+chosen replica is what the decision records (`Decision.predicted_ttft`), and reports compare it with
+the measured one (`metrics.goodput_report`: TTFT prediction MAPE).
 """
 
 from __future__ import annotations
@@ -74,7 +70,7 @@ DEFAULT_PRICING = StepPricing(
     LinearCostModel(c0=0.117, c_decode=0.00805, c_prefill=0.00387, c_ctx=4.0e-6, c_held=0.00845),
     defaults.TOKEN_BUDGET,
 )
-MAX_WALK_STEPS = 4096
+MAX_WALK_STEPS = 4096  # past it, the prediction is what the walk reached: behind any replica serving sooner
 TPOT_STEPS = 16  # decode steps of the new request its predicted TPOT is the mean of
 CORRECTION_WEIGHT = 0.1  # weight of each new error sample in a replica's running correction
 MAX_ERROR_RATIO = 2.0  # one sample's measured / predicted is clipped to [1/x, x]: one stall moves it little
@@ -126,6 +122,7 @@ class _Placed:
     predicted_wait: float  # the slot wait within predicted_ttft, likewise
     waited: float  # seconds from the client's send to the dispatch: in the measured TTFT, in no queue
     decode_seen: tuple[float, int] | None = None  # (report time, tokens made) of its first report decoding
+    reported: bool = False  # a load report of its replica has listed it: absent from a later one, it ended
 
 
 @dataclass(eq=False)
@@ -223,8 +220,9 @@ class LatencyModel:
         for request_id, placed in self._by_replica.get(view.replica_id, {}).items():
             expected = max(1.0, placed.expected_output)
             made = 0 if report is None or placed.dispatched > report.time else report.tokens_made.get(request_id)
-            if made is None:
+            if made is None and placed.reported:
                 continue  # ended before the report (its completion is on its way)
+            made = made or 0  # None: not there yet (on its way, or in its inbox while a step ran)
             if made == 0:
                 rows.append(_Row(placed.to_prefill, placed.cached, expected, placed.cached))
             else:
@@ -291,6 +289,8 @@ class LatencyModel:
             placed.predicted_ttft = math.nan  # one sample per request
         for request_id, made in load.tokens_made.items():
             placed = held.get(request_id)
+            if placed is not None:
+                placed.reported = True
             if placed is None or made < 1 or not 0 < placed.predicted_tpot < math.inf or placed.dispatched > load.time:
                 continue  # not placed here, no token yet, already learned from, or predicted to make none
             if placed.decode_seen is None:

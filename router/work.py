@@ -5,8 +5,9 @@ A request reserves its prompt tokens (to prefill) and an expected output length 
 on the replica it is sent to. A replica's pending work is then
 
 - prefill: the prompt tokens its last report says are not computed yet
-  (`LoadReport.prefill_tokens_pending`), plus the prompts of requests dispatched after that
-  report was taken (it cannot know them); with no report, every reserved prompt;
+  (`LoadReport.prefill_tokens_pending`), plus the prompts of the requests it does not list:
+  dispatched after it was taken, or before but not at the replica yet (on their way, or in its
+  inbox while a step ran); with no report, every reserved prompt;
 - decode: for each request in flight there, its expected output less the tokens its last
   report says it has made (`LoadReport.tokens_made`), at least 0. So the reservation is
   released as tokens are made, and wholly at completion.
@@ -69,7 +70,10 @@ class WorkLedger:
             return 0.0 if report is None else float(report.prefill_tokens_pending)
         if report is None:
             return float(sum(r.prefill for r in held.values()))
-        return report.prefill_tokens_pending + sum(r.prefill for r in held.values() if r.time > report.time)
+        listed = report.tokens_made
+        return report.prefill_tokens_pending + sum(
+            r.prefill for request_id, r in held.items() if r.time > report.time or request_id not in listed
+        )
 
     def decode_left(self, view: ReplicaView) -> list[float]:
         """Expected output tokens left per request in flight on the replica, in dispatch order."""

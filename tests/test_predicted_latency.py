@@ -381,19 +381,3 @@ def test_mape_of_a_tiny_known_case():
 
 def test_policy_is_registered_under_its_name():
     assert make_routing_policy("predicted_latency").name == "predicted_latency"
-
-
-def test_a_request_whose_kv_does_not_fit_waits_though_a_slot_is_free():
-    """Two 100-token prompts decode on a 4-slot replica with room for 250 K/V tokens: a third does
-    not fit, so it waits for one to end, as a paged replica admits; with no bound (0) or room, it starts."""
-    predicted = {}
-    for capacity in (250, 0, 400):
-        model = LatencyModel()
-        for rid in ("q0", "q1"):
-            model.scores(RouteRequest(rid, 100, 8), [ReplicaView("a", 0, None, None)], {}, 8.0)
-            model.dispatched(RouteRequest(rid, 100, 8), "a", now=0.0, expected_output=8.0)
-        load = {"running": 2, "free_slots": 2, "tokens_made": {"q0": 1, "q1": 1}, "kv_capacity_tokens": capacity}
-        view = ReplicaView("a", 2, _report("a", 1.0, StepPricing(STEP, 256), **load), 0.0)
-        predicted[capacity] = model.predict_raw(RouteRequest("new", 100, 8), view, expected_output=8.0)
-    assert predicted[0] == predicted[400] and predicted[0].ttft == pytest.approx(0.01 + 2 * 0.001 + 100 * 0.0005)
-    assert predicted[250].slot_wait == pytest.approx(7 * (0.01 + 2 * 0.001))  # 7 more two-row decode steps

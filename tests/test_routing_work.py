@@ -131,6 +131,15 @@ def test_least_work_reserves_at_dispatch_and_releases_as_tokens_are_made():
     assert router.policy.lengths.estimate(RouteRequest("c", 10, 1)) == 70
 
 
+def test_least_work_counts_the_prompt_of_a_request_the_report_does_not_list_yet():
+    """A report taken after a dispatch but before the request reached the replica (on its way, or
+    in the inbox while a long step ran) leaves it out: its prompt is still work waiting there."""
+    router = Router(["r0"], policy="least_work", clock=FakeClock())
+    router.route(RouteRequest("a", prompt_len=100, max_tokens=64))
+    router.report(report("r0", t=1.0, prefill_tokens_pending=30, tokens_made={"other": 0}))
+    assert router.policy.work.prefill_pending(router.load.views(1.0)[0]) == 30 + 100
+
+
 def test_least_work_waits_for_a_slot_by_the_work_of_the_running_requests():
     """With every slot taken, the new request waits for the first running request to end:
     the replica whose running requests are nearly done wins over an equally full one."""
