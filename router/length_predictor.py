@@ -6,11 +6,14 @@ so reading it would be an oracle no real router has).
 `BucketedLength` (what `predicted_length` uses, after Jain et al. 2024 in its simplest form):
 a session's last output length when the session has finished a turn, else the median of the
 last outputs of requests with a prompt of similar length (power-of-two buckets), else the
-running mean. Both start from `prior` tokens before anything has finished.
+running mean. Both start from `prior` tokens before anything has finished. `OutputResiduals`
+(what `predicted_latency` uses) gives running requests the output still to come, by what they made.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 import statistics
 from collections import OrderedDict, deque
 
@@ -62,3 +65,36 @@ class BucketedLength(MeanLength):
 
 def _bucket(prompt_len: int) -> int:
     return max(prompt_len, 1).bit_length()
+
+
+OUTPUT_WINDOW = 256  # finished outputs the residuals are read from
+
+
+class OutputResiduals:
+    """The output still to come of the decoding rows of one replica, from the lengths of the last
+    `window` finished requests. A row that has made `made` tokens has ahead of it one of the
+    `length - made` of those longer than `made`; the rows are ranked by the median of theirs, and
+    the row of rank j of k is given the (j + 1/2) / k quantile of its own, so the rows together
+    spread as their lengths do: the first slot frees when the shortest of them ends, which is
+    sooner than the median of any one (`made` again for a row longer than all: it has run as
+    long as the longest seen). Before any has finished: the row's expected output less what it
+    made, else `made`."""
+
+    def __init__(self, window: int = OUTPUT_WINDOW):
+        self._lengths: deque[int] = deque(maxlen=window)
+
+    def observe(self, output_len: int) -> None:
+        self._lengths.append(output_len)
+
+    def remaining(self, rows: list[tuple[float, int]]) -> list[float]:
+        """Per decoding row (expected output, tokens made), its output still to come."""
+        if not self._lengths:
+            return [expected - made if made < expected else float(max(1, made)) for expected, made in rows]
+        ordered = sorted(self._lengths)
+        ahead = [[n - made for n in ordered[bisect.bisect_right(ordered, made) :]] for _, made in rows]
+        rank = sorted(range(len(rows)), key=lambda i: ahead[i][len(ahead[i]) // 2] if ahead[i] else math.inf)
+        out = [0.0] * len(rows)
+        for j, i in enumerate(rank):
+            longer = ahead[i]
+            out[i] = float(longer[int((j + 0.5) / len(rows) * len(longer))]) if longer else float(max(1, rows[i][1]))
+        return out

@@ -22,13 +22,13 @@ that distribution, so its first slot frees when the shortest of them is likely t
 estimate per row (expected output less what it made) misses both ways: a row that has outlived its
 estimate, as outputs with a heavy tail often do, looks a step from its end, and rows that each look
 long hide that one of them is likely to end soon. The walk starts at that report, so the steps since
-then count as past. Each step is priced by the replica's own cost model
-(`protocol.cost.StepPricing`, on its load reports), so replicas of different speeds are told apart
-from their first report, and followed by the serving loop's own time between steps where the replica
-states it apart (a fake one, whose stated prices are a step's work alone); a real model reports the
-prices it measured from its own steps, the loop's time within them (`replica.pricing`), once it has
-run a few dozen, and until then is priced by `DEFAULT_PRICING`, which its correction scales to its
-speed.
+then count as past, and a request sent since joins it when it was sent. Each step is priced by the
+replica's own cost model (`protocol.cost.StepPricing`, on its load reports), so replicas of
+different speeds are told apart from their first report, and followed by the serving loop's own time
+between steps where the replica states it apart (a fake one, whose stated prices are a step's work
+alone); a real model reports the prices it measured from its own steps, the loop's time within them
+(`replica.pricing`), once it has run a few dozen, and until then is priced by `DEFAULT_PRICING`,
+which its correction scales to its speed.
 
 The corrections: each replica's reports say how long its requests waited for their first token
 (`LoadReport.ttft`), and the policy keeps, per replica, an exponentially weighted mean of
@@ -53,7 +53,6 @@ the measured one (`metrics.goodput_report`: TTFT prediction MAPE).
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import deque
 from dataclasses import dataclass, replace
@@ -62,6 +61,7 @@ from protocol import defaults
 from protocol.cost import LinearCostModel, StepPricing
 from protocol.messages import LoadReport
 from protocol.routing import RouteRequest
+from router.length_predictor import OutputResiduals
 from router.load import ReplicaView
 
 # A replica that reports no pricing yet: SmolLM2-135M's step costs as fitted on a 2-core CPU
@@ -74,37 +74,6 @@ MAX_WALK_STEPS = 4096  # past it, the prediction is what the walk reached: behin
 TPOT_STEPS = 16  # decode steps of the new request its predicted TPOT is the mean of
 CORRECTION_WEIGHT = 0.1  # weight of each new error sample in a replica's running correction
 MAX_ERROR_RATIO = 2.0  # one sample's measured / predicted is clipped to [1/x, x]: one stall moves it little
-OUTPUT_WINDOW = 256  # finished outputs the residuals are read from
-
-
-class OutputResiduals:
-    """The output still to come of the decoding rows of one replica, from the lengths of the last
-    `window` finished requests. A row that has made `made` tokens has ahead of it one of the
-    `length - made` of those longer than `made`; the rows are ranked by the median of theirs, and
-    the row of rank j of k is given the (j + 1/2) / k quantile of its own, so the rows together
-    spread as their lengths do: the first slot frees when the shortest of them ends, which is
-    sooner than the median of any one (`made` again for a row longer than all: it has run as
-    long as the longest seen). Before any has finished: the row's expected output less what it
-    made, else `made`."""
-
-    def __init__(self, window: int = OUTPUT_WINDOW):
-        self._lengths: deque[int] = deque(maxlen=window)
-
-    def observe(self, output_len: int) -> None:
-        self._lengths.append(output_len)
-
-    def remaining(self, rows: list[tuple[float, int]]) -> list[float]:
-        """Per decoding row (expected output, tokens made), its output still to come."""
-        if not self._lengths:
-            return [expected - made if made < expected else float(max(1, made)) for expected, made in rows]
-        ordered = sorted(self._lengths)
-        ahead = [[n - made for n in ordered[bisect.bisect_right(ordered, made) :]] for _, made in rows]
-        rank = sorted(range(len(rows)), key=lambda i: ahead[i][len(ahead[i]) // 2] if ahead[i] else math.inf)
-        out = [0.0] * len(rows)
-        for j, i in enumerate(rank):
-            longer = ahead[i]
-            out[i] = float(longer[int((j + 0.5) / len(rows) * len(longer))]) if longer else float(max(1, rows[i][1]))
-        return out
 
 
 @dataclass
@@ -133,6 +102,7 @@ class _Row:
     context: float  # tokens whose K/V it holds
     decode_left: float
     shared: float = 0.0  # of `context`, the prefix it found cached (blocks other requests may hold too)
+    ready: float = 0.0  # seconds after the report when it reached the replica (sent after the report was taken)
 
     def kv_need(self) -> float:
         """The K/V tokens it holds of its own once its prompt is in."""
@@ -210,8 +180,9 @@ class LatencyModel:
         pricing = report.pricing if report is not None and report.pricing is not None else DEFAULT_PRICING
         slots = report.num_slots if report is not None else defaults.NUM_SLOTS
         kv_tokens = report.kv_capacity_tokens if report is not None else 0
-        new = _Row(request.prompt_len - cached, cached, max(1.0, expected_output), cached)
-        return _walk(pricing, slots, kv_tokens, self._rows(view), new, view.report_age or 0.0)
+        age = view.report_age or 0.0
+        new = _Row(request.prompt_len - cached, cached, max(1.0, expected_output), cached, ready=age)
+        return _walk(pricing, slots, kv_tokens, self._rows(view), new)
 
     def _rows(self, view: ReplicaView) -> list[_Row]:
         """The replica's requests in flight, in dispatch order, as far as its last report says."""
@@ -223,8 +194,9 @@ class LatencyModel:
             if made is None and placed.reported:
                 continue  # ended before the report (its completion is on its way)
             made = made or 0  # None: not there yet (on its way, or in its inbox while a step ran)
-            if made == 0:
-                rows.append(_Row(placed.to_prefill, placed.cached, expected, placed.cached))
+            if made == 0:  # queued; one sent after the report was taken cannot start before it arrived
+                ready = 0.0 if report is None else max(0.0, placed.dispatched - report.time)
+                rows.append(_Row(placed.to_prefill, placed.cached, expected, placed.cached, ready))
             else:
                 rows.append(_Row(0.0, placed.prompt_len + made, 0.0, placed.cached))
                 decoding.append((rows[-1], expected, made))
@@ -338,23 +310,28 @@ def _admitted(queue: list[_Row], slots: int, kv_tokens: int) -> list[_Row]:
     return running
 
 
-def _walk(pricing: StepPricing, slots: int, kv_tokens: int, rows: list[_Row], new: _Row, age: float) -> Prediction:
+def _walk(pricing: StepPricing, slots: int, kv_tokens: int, rows: list[_Row], new: _Row) -> Prediction:
     """Step the queue `rows` with `new` behind them until `new` has made its first token and
-    `TPOT_STEPS` more (or its expected output): its TTFT and mean time per output token after
-    the first. The walk starts at the report, `age` seconds ago: `new` joins the first step
-    that starts after now (it waits out the one in progress), or starts at once on an idle
-    replica. A row runs once it holds a slot and its K/V fits the replica's `kv_tokens`
-    (`_admitted`)."""
+    `TPOT_STEPS` more (or its expected output): its TTFT and mean time per output token after the
+    first. The walk starts at the report, `new.ready` seconds ago (now). Each row joins the first
+    step that starts once it has reached the replica (its `ready`; `new` waits out the step in
+    progress), and a replica with nothing to run waits for the next to reach it: a request sent
+    after an idle report cannot have been running since. A row runs once it holds a slot and its
+    K/V fits the replica's `kv_tokens` (`_admitted`)."""
     cost, budget = pricing.cost, pricing.token_budget
-    queue = [replace(r) for r in rows]
-    full = new not in _admitted([*queue, new], slots, kv_tokens)  # as reported, no room for it
-    busy = bool(queue)
+    age = new.ready
+    coming = deque([*(replace(r) for r in rows), new])  # dispatch order, so in order of arrival too
+    full = new not in _admitted(list(coming), slots, kv_tokens)  # as reported, no room for it
+    queue: list[_Row] = []
     elapsed, first_token, decoded = 0.0, None, 0
     joined = slotted = None
     for _ in range(MAX_WALK_STEPS):
-        if joined is None and (elapsed >= age or not busy):
-            queue.append(new)
-            joined = elapsed
+        if not queue:
+            elapsed = max(elapsed, coming[0].ready)
+        while coming and coming[0].ready <= elapsed:
+            queue.append(coming.popleft())
+            if queue[-1] is new:
+                joined = elapsed
         running = _admitted(queue, slots, kv_tokens)
         if slotted is None and new in running:
             slotted = elapsed
@@ -392,9 +369,8 @@ def _walk(pricing: StepPricing, slots: int, kv_tokens: int, rows: list[_Row], ne
     # guess at the lengths ahead), even when a slot is predicted to free as it joins
     if joined is None:  # the walk's bound came before the report's age: it never joined
         return Prediction(elapsed, math.inf)
-    waited_from = min(joined, age) if full else joined
-    wait = (elapsed if slotted is None else slotted) - waited_from
+    wait = (elapsed if slotted is None else slotted) - (age if full else joined)
     if first_token is None:
         return Prediction(elapsed, math.inf, wait)
     tpot = (elapsed - first_token) / decoded if decoded else 0.0
-    return Prediction(first_token - age if busy else first_token, tpot, wait)
+    return Prediction(first_token - age, tpot, wait)

@@ -126,7 +126,7 @@ def test_prediction_prices_the_queue_and_the_replica_speed():
     for i in range(3):  # three 200-token prompts dispatched after the report: ahead of the new one
         model.scores(RouteRequest(f"q{i}", 200, 8), [idle_fast], {}, 8.0)
         model.dispatched(RouteRequest(f"q{i}", 200, 8), "a", now=0.1, expected_output=8.0)
-    busy = ReplicaView("a", 3, _report("a", 0.0, fast), 0.0)
+    busy = ReplicaView("a", 3, _report("a", 0.0, fast), 0.1)  # now: as they were sent
     # four steps of 256 tokens: 800 prompt tokens, and the decode rows of the prompts done
     # before (1 + 2 + 3), which take their share of the budget first
     assert model.predict_raw(request, busy).ttft == pytest.approx(4 * 0.01 + 800 * 0.0005 + 6 * 0.001)

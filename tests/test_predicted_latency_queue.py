@@ -45,6 +45,18 @@ def test_a_request_no_report_has_listed_yet_is_queued_ahead_and_one_that_left_is
     assert model.predict_raw(new, gone).ttft == pytest.approx(0.01 + 0.001 + 100 * 0.0005)
 
 
+def test_a_request_sent_after_an_idle_report_has_not_run_since_that_report():
+    """The report was taken with the replica idle, a second before a 200-token prompt was sent
+    there: the walk starts at the report, but that prompt starts when it arrives, so a request
+    sent 50 ms after it waits out its prefill step and is not taken to find the replica free."""
+    model = LatencyModel()
+    _dispatch(model, "a", 200, now=1.0)
+    view = ReplicaView("a", 1, _report(0.0, {}), 1.05)  # now is 1.05 s after the report
+    prefill_a = 0.01 + 200 * 0.0005  # from 1.0 to 1.11; the new request joins the next step
+    ttft = 1.0 + prefill_a + (0.01 + 0.001 + 100 * 0.0005) - 1.05
+    assert model.predict_raw(RouteRequest("new", 100, 8), view).ttft == pytest.approx(ttft)
+
+
 def test_a_request_whose_kv_does_not_fit_waits_though_a_slot_is_free():
     """Two 100-token prompts decode on a 4-slot replica with room for 250 K/V tokens: a third does
     not fit, so it waits for one to end, as a paged replica admits; with no bound (0) or room, it starts."""
