@@ -325,13 +325,14 @@ def samples_from_store(store_path: Path, run_ids: list[int]) -> tuple[list[tuple
         store.close()
     config = runs[0]["config"]
     engine = config.get("engine") or config.get("replica", {}).get("engine", {})
+    cluster = config.get("cluster") or {}  # an experiment cell's runs: what ran is its cluster
     machine = {
         **(runs[0]["machine"] or {}),
-        "model": engine.get("model"),
-        "dtype": engine.get("dtype"),
-        "device": engine.get("device"),
-        "num_slots": engine.get("num_slots"),
-        "threads": config.get("torch_threads", config.get("num_cpus_per_replica")),
+        "model": engine.get("model", cluster.get("model")),
+        "dtype": engine.get("dtype", cluster.get("dtype")),
+        "device": engine.get("device", cluster.get("device")),
+        "num_slots": engine.get("num_slots", cluster.get("slots")),
+        "threads": config.get("torch_threads", config.get("num_cpus_per_replica", cluster.get("num_cpus"))),
         "replicas": config.get("num_replicas", 1),
         "calibrated": time.strftime("%Y-%m-%d %H:%M:%S"),
         "fitted_to": f"{store_path} runs {', '.join(map(str, run_ids))}",
@@ -350,7 +351,7 @@ def format_fit(model: FittedCostModel, samples: list[tuple[StepFeatures, float, 
         "c_held": ("per padding row", 1e3, "ms"),
     }
     lines = [
-        f"cost model for {m.get('model')} ({m.get('dtype')}, {m.get('device')}) on {m.get('cpu')}, "
+        f"cost model for {m.get('model')} ({m.get('dtype')}, {m.get('device')}) on {m.get('cpu', m.get('processor'))}, "
         f"{m.get('threads')} torch threads, {m.get('replicas', 1)} replica(s) side by side",
         f"step_time = c0 + c_decode*decode + c_prefill*prefill + c_ctx*context + c_held*padding  "
         f"(features: {', '.join(FEATURES)})",

@@ -422,14 +422,19 @@ def test_calibrate_command_options():
 TRUE_COST = FittedCostModel(c0=0.09, c_decode=0.004, c_prefill=0.0028, c_ctx=3e-7, c_held=0.002)
 
 
-def record_as_real(store, policy: str, steps_context: bool = True) -> int:
+def record_as_real(store, policy: str, steps_context: bool = True, experiment: bool = False) -> int:
     """A run recorded as real whose steps the engine timed on a fake clock at TRUE_COST: the
-    rows a cluster's replicas write (`step_row`), of known durations."""
+    rows a cluster's replicas write (`step_row`), of known durations; stored as `slotserve run`
+    stores its config, or as an experiment cell does (`experiment`: its cluster section)."""
     config = engine_config(policy)
     result = simulate(long_prompts(24, rate=6.0, seed=3), SimulationConfig(num_replicas=2, engine=config), TRUE_COST)
+    stored = {"replica": {"engine": config.model_dump()}, "num_replicas": 2, "num_cpus_per_replica": 1}
+    if experiment:
+        cluster = {"model": "smollm2-135m", "dtype": "auto", "slots": config.num_slots, "num_cpus": 1.0}
+        stored = {"cluster": cluster, "num_replicas": 2}
     run_id = store.begin_run(
         f"real-{policy}",
-        {"replica": {"engine": config.model_dump()}, "num_replicas": 2, "num_cpus_per_replica": 1},
+        stored,
         policy,
         "least_loaded",
         0,
@@ -448,18 +453,25 @@ def test_calibrate_from_store_fits_the_recorded_steps(tmp_path, capsys):
     the rows right; the fit names the runs and how the cluster ran."""
     db = tmp_path / "slotserve.db"
     store = open_store(db)
-    runs = [record_as_real(store, "static"), record_as_real(store, "chunked")]
+    runs = [record_as_real(store, "static"), record_as_real(store, "chunked"), record_as_real(store, "chunked", True)]
     store.close()
     parser = argparse.ArgumentParser()
     add_calibrate_command(parser.add_subparsers())
     out = tmp_path / "fit.json"
-    args = parser.parse_args(["calibrate", "--from-store", str(db), "--runs", *map(str, runs), "--out", str(out)])
+    args = parser.parse_args(["calibrate", "--from-store", str(db), "--runs", *map(str, runs[:2]), "--out", str(out)])
     assert args.func(args) == 0
     fitted = FittedCostModel.load(out)
     assert fitted.coefficients == pytest.approx(TRUE_COST.coefficients, rel=1e-3)
     assert fitted.machine["fitted_to"] == f"{db} runs {runs[0]}, {runs[1]}"
     assert (fitted.machine["replicas"], fitted.machine["threads"], fitted.machine["num_slots"]) == (2, 1, 4)
     assert f"read {fitted.quality.num_fit + fitted.quality.num_heldout} steps" in capsys.readouterr().out
+    # an experiment cell's runs: what ran is read off its cluster section
+    args = parser.parse_args(["calibrate", "--from-store", str(db), "--runs", str(runs[2]), "--out", str(out)])
+    assert args.func(args) == 0
+    machine = FittedCostModel.load(out).machine
+    ran = (machine["model"], machine["dtype"], machine["threads"], machine["num_slots"])
+    assert ran == ("smollm2-135m", "auto", 1.0, 4)
+    assert "cost model for smollm2-135m (auto," in capsys.readouterr().out
 
 
 def test_calibrate_from_store_refuses_what_cannot_calibrate(tmp_path):
