@@ -59,6 +59,7 @@ _owned: dict[str, object] = {}
 # Seconds from the replicas' start to the router's first passed health check of each: a replica
 # converting the default model and building its kernels on first use takes minutes on a busy machine.
 READY_TIMEOUT = 600
+STOP_TIMEOUT = 30.0  # seconds stop_cluster waits for the actors it killed to be gone
 
 
 class ClusterSpec(PoolsSpec):
@@ -442,7 +443,16 @@ def stop_cluster(drain_timeout: float = 0.0) -> list[str]:
         drain_replicas(actors.get(ROUTER_ACTOR_NAME), replicas, drain_timeout, move_kv=False)
     for handle in actors.values():  # a drained replica is stopped already: killing it again does nothing
         ray.kill(handle)
+    _wait_gone(set(actors))
     return list(actors)
+
+
+def _wait_gone(names: set[str], timeout: float = STOP_TIMEOUT) -> None:
+    """Wait until no actor of `names` is alive: `ray.kill` returns before the actor is gone, and
+    a start (or stop) right after would find it still there as a leftover."""
+    deadline = time.monotonic() + timeout
+    while names & _leftovers().keys() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def cluster_status(timeout: float = 10.0) -> dict:
