@@ -7,6 +7,7 @@ is checked on its own too); and with the C++ kernels turned off, torch's operato
 from __future__ import annotations
 
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -53,18 +54,21 @@ def preemption_cases(cases) -> list[tuple[list[int], int]]:
     return [(long_prompt[i : i + 30], 30) for i in range(4)] + cases[:3]
 
 
-_REFERENCES: dict[tuple, list[int]] = {}
+# Per reference model (held weakly: a key is never another model's, as an id() can be once the
+# first model is freed), its greedy tokens per (prompt, max_tokens).
+_REFERENCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def reference(hf, prompt: list[int], max_tokens: int) -> list[int]:
     """transformers' greedy tokens for this request alone (computed once per model and request)."""
-    key = (id(hf), tuple(prompt), max_tokens)
-    if key not in _REFERENCES:
+    known = _REFERENCES.setdefault(hf, {})
+    key = (tuple(prompt), max_tokens)
+    if key not in known:
         ids = torch.tensor([prompt])
         with torch.no_grad():
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False)
-        _REFERENCES[key] = out[0, len(prompt) :].tolist()
-    return _REFERENCES[key]
+        known[key] = out[0, len(prompt) :].tolist()
+    return known[key]
 
 
 def mismatch_report(hf, prompt: list[int], ours: list[int], ref: list[int]) -> str:
