@@ -47,10 +47,10 @@ import numpy as np
 from autoscaling.policies import AutoscaleConfig
 from metrics.definitions import SLO
 from protocol.clock import FakeClock
+from protocol.cpu import cpu_info
 from protocol.messages import LoadReport
 from protocol.routing import RouteRequest
 from replica.config import EngineConfig
-from replica.kernels.cpu import cpu_info
 from router.router import Router
 from sim.autoscaling import AutoscalingSimulator, ScalingRecord
 from sim.cost_model import FittedCostModel

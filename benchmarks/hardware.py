@@ -28,9 +28,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from peers.roofline import bandwidth, matmul_flops
+from protocol.cpu import cpu_info
 from replica.config import EngineConfig
 from replica.engine import Engine
-from replica.kernels.cpu import cpu_info
 from replica.model.decoder import Decoder
 from replica.model.runner import ModelRunner
 

@@ -42,9 +42,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.hardware import PROMPT_LEN, decode_engine, drain
 from peers.step_parts import PARTS, Parts, measure, wrapped, wrapper_seconds
+from protocol.cpu import cpu_info
 from replica.config import EngineConfig
 from replica.engine import Engine
-from replica.kernels.cpu import cpu_info
 from replica.model.runner import ModelRunner
 
 MODEL = "smollm2-135m"

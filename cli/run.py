@@ -8,6 +8,7 @@ from pathlib import Path
 
 from cli import common, report
 from metrics.definitions import SLO
+from protocol.cpu import cpu_info
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,6 +23,8 @@ def run(args: argparse.Namespace) -> int:
     ensure_ray(args.address, start_local=False)
     owned = not common.running_cluster(args.address)
     spec = common.cluster_spec(args)
+    # Figures differ between machines of one kind: the verdict is this machine's.
+    print(f"this machine: {cpu_info().describe()}", flush=True)
     if owned:
         print(f"no cluster running: starting {spec.num_replicas} replicas for this run ...", flush=True)
         deployment = start_cluster(spec)

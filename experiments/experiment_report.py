@@ -210,7 +210,8 @@ def prefix_ceilings(result: ExperimentResult, rows: list[SummaryRow]) -> list[st
 
 
 def machine_line(machine: dict) -> str:
-    parts = [machine.get("hostname"), machine.get("platform"), machine.get("processor")]
+    cpu = f"{machine['cpu']} (flags: {machine['cpu_flags']})" if "cpu" in machine else machine.get("processor")
+    parts = [machine.get("hostname"), machine.get("platform"), cpu]
     parts += [
         f"{machine['cpus_usable']} usable CPUs" if "cpus_usable" in machine else None,
         f"{machine['memory_gib']} GiB" if "memory_gib" in machine else None,

@@ -62,6 +62,7 @@ import typing
 from pathlib import Path
 
 from metrics.definitions import RequestTrace
+from protocol.cpu import cpu_info
 from protocol.errors import SlotServeError
 from protocol.records import Decision, StepRecord
 from protocol.scaling import ColdStart, ScalingDecision
@@ -172,7 +173,7 @@ CREATE TABLE IF NOT EXISTS runs (
     routing_policy TEXT,
     seed INTEGER,
     git_commit TEXT,                 -- HEAD, '-dirty' if the tree had changes; 'unknown' outside git
-    machine TEXT,                    -- JSON object: hostname, platform, cpus, memory, GPUs
+    machine TEXT,                    -- JSON object: hostname, platform, CPU model and flags, cpus, memory, GPUs
     simulated INTEGER NOT NULL DEFAULT 0,
     slo TEXT                         -- JSON object or NULL
 );
@@ -536,13 +537,17 @@ def _git_commit() -> str:
 
 
 def _machine() -> dict:
-    """What results depend on: host, OS, Python, CPUs this process may use, memory, GPUs."""
+    """What results depend on: host, OS, Python, the CPU (its model and the flags that change a
+    matrix product: machines of one kind differ), CPUs this process may use, memory, GPUs."""
+    cpu = cpu_info()
     machine = {
         "hostname": platform.node(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "processor": platform.processor() or platform.machine(),
+        "cpu": cpu.model,
+        "cpu_flags": cpu.shown_flags,
     }
     if hasattr(os, "sched_getaffinity"):
         machine["cpus_usable"] = len(os.sched_getaffinity(0))

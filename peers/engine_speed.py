@@ -437,7 +437,7 @@ def run(args: argparse.Namespace) -> dict:
     API may differ between versions, vLLM's environment may be missing) and the JSON is rewritten
     after each row, so a run cut short still leaves what it measured."""
     from peers.roofline import probe
-    from replica.kernels.cpu import cpu_info
+    from protocol.cpu import cpu_info
     from replica.model.runner import pick_device
 
     print(f"CPU: {cpu_info().describe()}", flush=True)

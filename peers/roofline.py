@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from replica.kernels.cpu import cpu_info
+from protocol.cpu import cpu_info
 
 BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pydantic import ConfigDict, Field, field_validator
 
 from protocol import defaults
-from replica.kernels.cpu import CpuInfo, cpu_info
+from protocol.cpu import CpuInfo, cpu_info
 from replica.model.loader import DEFAULT_MODEL
 from replica.scheduling.policies import POLICIES
 from replica.scheduling.scheduler import SchedulerConfig

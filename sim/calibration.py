@@ -44,10 +44,10 @@ from queue import Empty
 from tqdm import tqdm
 
 from protocol.clock import Clock
+from protocol.cpu import UNKNOWN_CPU, cpu_info
 from replica.config import EngineConfig
 from replica.engine import Engine, Runner
 from replica.errors import ConfigError
-from replica.kernels.cpu import UNKNOWN_CPU, cpu_info
 from replica.model.loader import DEFAULT_MODEL
 from replica.scheduling.scheduler import SchedulerOutput
 from sim.cost_model import FEATURES, FittedCostModel, StepFeatures

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from peers.engine_speed import BenchRow, agreement, format_bench, lossless_and_int8, summarize
 from peers.vllm_cpu import VllmSettings, environment
+from protocol.cpu import parse_cpuinfo
 from replica.config import EngineConfig, resolve_dtype
-from replica.kernels.cpu import parse_cpuinfo
 from replica.model.attention import AttentionMetadata, build_group, slot_attention
 from replica.model.linear import Linear
 

@@ -17,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-from replica.kernels.cpu import cpu_info
+from protocol.cpu import cpu_info
 
 log = logging.getLogger(__name__)
 

@@ -38,8 +38,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from protocol.cpu import cpu_info
 from replica.kernels import skinny_matmul
-from replica.kernels.cpu import cpu_info
 from replica.model.loader import cache_dir
 from replica.model.memory import empty_on_huge_pages, return_freed_memory
 

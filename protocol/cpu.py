@@ -1,7 +1,9 @@
 """What this CPU is and which matrix units it has, read from /proc/cpuinfo (no torch).
 
 Why: machines of one kind differ (AVX2-only EPYCs and AVX-512 ones with AVX512_BF16 both
-occur), and the right dtype, like every roofline figure, depends on which one runs the engine.
+occur), and the right dtype, like every roofline figure, depends on which one runs the engine;
+every run the store records names its CPU for the same reason. Here in the bottom layer because
+the engine, the store and the benchmarks all read it.
 """
 
 from __future__ import annotations
