@@ -30,6 +30,11 @@ steps or the spread across replicas:
   hold when it admitted the request (the request's `cached_tokens`): 1 - sum of min(found,
   believed) / sum of believed, over requests with both known and something believed; the
   request's last decision counts, as for the MAPE. None for a run without such requests.
+- SLO met by cache outcome: the SLO attainment of the requests whose prompt found some of its
+  tokens in the prefix cache at admission (`cached_tokens` > 0) and of those that found none,
+  over the requests that reached a replica and reported it. Where a prompt is mostly a shared
+  prefix, a router's goodput is about its hits' share times their attainment plus the same for
+  its misses, so this splits what placement decided from what load did.
 """
 
 from __future__ import annotations
@@ -86,6 +91,23 @@ def analyze(store: MetricsStore, run_id: int, slo: SLO = SLO()) -> dict:
         "regret": audit(traces),
         "ttft_prediction": ttft_prediction_error(traces, decisions),
         "index_staleness": index_staleness(traces, decisions),
+        "slo_by_cache": slo_by_cache(traces, slo),
+    }
+
+
+def slo_by_cache(traces: list[RequestTrace], slo: SLO) -> dict[str, dict]:
+    """`cached` and `computed` (see the module docstring): each group's `requests` and its
+    `slo_met` share (None for an empty group)."""
+    groups: dict[str, list[RequestTrace]] = {"cached": [], "computed": []}
+    for t in traces:
+        if t.replica is not None and t.cached_tokens is not None:
+            groups["cached" if t.cached_tokens > 0 else "computed"].append(t)
+    return {
+        name: {
+            "requests": len(group),
+            "slo_met": sum(slo.met_by(t) for t in group) / len(group) if group else None,
+        }
+        for name, group in groups.items()
     }
 
 
@@ -238,6 +260,13 @@ def format_report(analyses: list[dict]) -> str:
         if late["max"] is not None:
             lines.append(f"driver submit lateness: p99 {_sec(late['p99'])} s, max {_sec(late['max'])} s")
         lines.append(f"prefix cache hit rate {_pct(a['prefix_hit_rate'])}; {_regret_line(a['regret'])}")
+        by_cache = a["slo_by_cache"]
+        if by_cache["cached"]["requests"]:
+            cached, computed = by_cache["cached"], by_cache["computed"]
+            lines.append(
+                f"SLO met by {_pct(cached['slo_met'])} of the {cached['requests']} requests that found a cached "
+                f"prefix, {_pct(computed['slo_met'])} of the {computed['requests']} that found none"
+            )
         if a["index_staleness"]["staleness"] is not None:
             s = a["index_staleness"]
             lines.append(
@@ -304,6 +333,7 @@ def to_csv(analyses: list[dict]) -> str:
                 flat.update({f"imbalance_{k}": v for k, v in a["imbalance"].items()})
                 flat.update(prefix_hit_rate=a["prefix_hit_rate"], regret_mean=a["regret"]["mean"])
                 flat.update(ttft_prediction_mape=a["ttft_prediction"]["mape"])
+                flat.update({f"slo_met_{k}": v["slo_met"] for k, v in a["slo_by_cache"].items()})
             rows.append(flat)
     fields = list(dict.fromkeys(k for row in rows for k in row))
     out = io.StringIO()

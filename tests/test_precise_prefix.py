@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 
-from metrics.definitions import RequestTrace
-from metrics.goodput_report import analyze, index_staleness
+from metrics.definitions import SLO, RequestTrace
+from metrics.goodput_report import analyze, format_report, index_staleness, slo_by_cache
 from metrics.store import open_store
 from protocol.blocks import block_hashes
 from protocol.clock import FakeClock
@@ -316,6 +316,26 @@ def test_index_staleness_counts_what_was_believed_and_not_found():
     assert index_staleness(traces[2:], decisions)["staleness"] is None
 
 
+def test_slo_attainment_is_split_by_whether_the_prompt_found_a_cached_prefix():
+    """Two requests found a cached prefix (one met the SLO), two computed their whole prompt
+    (neither met it: one too slow to its first token, one failed); a request that reported no
+    admission count and one rejected before a replica are in neither group."""
+    slo = SLO(ttft=0.5, tpot=1.0)
+    traces = [
+        RequestTrace("a", 0.0, [0.1], 0.1, "length", 80, "r0", cached_tokens=64),
+        RequestTrace("b", 0.0, [0.9], 0.9, "length", 80, "r1", cached_tokens=16),
+        RequestTrace("c", 0.0, [0.7], 0.7, "length", 80, "r1", cached_tokens=0),
+        RequestTrace("d", 0.0, [], 0.2, "error", 80, "r0", cached_tokens=0),
+        RequestTrace("e", 0.0, [0.1], 0.1, "length", 80, "r0"),
+        RequestTrace("f", 0.0, [], 0.0, "rejected", 80, None),
+    ]
+    assert slo_by_cache(traces, slo) == {
+        "cached": {"requests": 2, "slo_met": 0.5},
+        "computed": {"requests": 2, "slo_met": 0.0},
+    }
+    assert slo_by_cache(traces[4:], slo)["cached"] == {"requests": 0, "slo_met": None}
+
+
 def test_a_simulated_run_stores_belief_and_admission_counts(tmp_path):
     """The simulator's router logs what precise_prefix believed cached on each chosen replica and
     the replica's first admission what its cache held; both reach the store, and the report reads
@@ -332,6 +352,10 @@ def test_a_simulated_run_stores_belief_and_admission_counts(tmp_path):
     assert any(d["believed_cached"] for d in store.decisions(run_id))
     staleness = analyze(store, run_id)["index_staleness"]
     assert staleness["requests"] > 30 and staleness["staleness"] < 0.05
+    by_cache = analyze(store, run_id, SLO(ttft=0.5, tpot=0.05))["slo_by_cache"]
+    assert by_cache["cached"]["requests"] + by_cache["computed"]["requests"] == len(rows)
+    assert by_cache["cached"]["slo_met"] > by_cache["computed"]["slo_met"]  # a 1,024-token miss is slow
+    assert "requests that found a cached prefix" in format_report([analyze(store, run_id)])
 
 
 def test_a_snapshot_asked_of_the_serving_loop_goes_on_its_next_report():
