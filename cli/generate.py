@@ -25,8 +25,8 @@ def cluster_tokenizer():
     `slotserve serve` reads it (None for a fake model)."""
     import ray
 
-    from cli.serve import load_tokenizer
     from cluster.deploy import find_cluster
+    from cluster.http.server import load_tokenizer
 
     replica = next(iter(find_cluster().replicas.values()))
     info = ray.get(replica.info.remote(), timeout=60)

@@ -3,14 +3,16 @@ client's process, as Ray Serve's handle routes, so placing a request costs no Ra
 
 It sees what the router actor sees, fetched in one batch: a background thread calls the actor's
 `sync` every `period` seconds (the replicas' own report interval), which hands over the
-decisions made here since the last call (recorded by the actor as its own, so the store and
-the audit read the same) and returns every replica's last load report, which replicas are
-down, and which it holds: a replica an autoscaler added is taken on (down until the actor has
-it up), one it drained away is forgotten. Its in-flight counts and reservations are this
-client's own requests: it is told of each end by the client (with the output length, so
-length estimates learn), not by the replicas, whose completions go to the actor as before.
-Several clients routing locally each know only their own requests between reports; the
-actor's view counts every client's.
+decisions made here since the last call (recorded by the actor as its own, so the store and the
+audit read the same) and returns every replica's last load report, the K/V event batches this
+client's block index has not seen (so precise prefix routing runs here too; the actor keeps each
+replica's last `KV_LOG_BATCHES`, and a client further behind starts again from the actor's
+index), which replicas are down, and which it holds: a replica an autoscaler added is taken on
+(down until the actor has it up), one it drained away is forgotten. Its in-flight counts and
+reservations are this client's own requests: it is told of each end by the client (with the
+output length, so length estimates learn), not by the replicas, whose completions go to the
+actor as before. Several clients routing locally each know only their own requests between
+reports; the actor's view counts every client's.
 
 A cluster with prefill and decode pools is refused: its router (`router.pd_router.PdRouter`)
 places a request on two pools and moves each hand-over, which a one-pool `Router` here would
@@ -100,9 +102,15 @@ class LocalRouter:
         """Send the decisions made here, take the actor's replicas, reports and down marks."""
         with self._lock:
             decisions = self._router.drain_decisions()
-        view = ray.get(self._actor.sync.remote(decisions), timeout=timeout)
+            index = self._router.block_index
+            kv_next = {r: n for r in self._router.replica_ids if (n := index.next_seq(r)) is not None}
+        view = ray.get(self._actor.sync.remote(decisions, kv_next), timeout=timeout)
         down = view.down
         with self._lock:
+            for replica_id, batches in view.kv_events.items():
+                if replica_id in self._router.replica_ids:
+                    for batch in batches:
+                        index.apply(replica_id, batch)
             held = set(view.replica_ids)
             for replica_id in [r for r in view.replica_ids if r not in self._router.replica_ids]:
                 self._router.add_replica(replica_id)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import ray
@@ -31,6 +31,7 @@ from cluster.streams import Flight, ReplicaFeed, Sink, close_feeds
 from protocol.errors import DrainingError, OverloadedError, RequestLostError, SlotServeError
 from protocol.finish import NATURAL_ENDINGS
 from protocol.messages import MigrationRecord, StreamEvent
+from protocol.replicas import Submission
 from protocol.routing import RouteRequest
 
 MAX_ATTEMPTS = 4  # placements of one request (its first and up to three moves)
@@ -38,6 +39,41 @@ ROUTER_RETRY_SECONDS = 30.0
 MOVE_WAIT_SECONDS = 60.0  # how long a moved request waits for a replica to take it
 SUBMIT_TIMEOUT = 120.0
 _MAX_RETRY_STEP = 1.0  # a refusal's retry-after is followed, but asked again at least this often
+
+
+class TurnBatcher:
+    """Calls made in one event-loop turn, sent together: `call(key, item)` waits for `item`'s
+    answer, and once per turn and key `send(key, items)` is awaited with every item, returning
+    one answer per item (a value, or the exception that refused it). A Ray call costs far more
+    than the work it carries, so a burst of requests costs one call, not one each."""
+
+    def __init__(self, send: Callable[[Any, list], Awaitable[list]]):
+        self._send = send
+        self._pending: dict[tuple[asyncio.AbstractEventLoop, Any], list[tuple[Any, asyncio.Future]]] = {}
+
+    async def call(self, key: Any, item: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        batch = self._pending.setdefault((loop, key), [])
+        batch.append((item, future))
+        if len(batch) == 1:
+            loop.call_soon(self._flush, loop, key)
+        return await future
+
+    def _flush(self, loop: asyncio.AbstractEventLoop, key: Any) -> None:
+        batch = self._pending.pop((loop, key))
+        sent = loop.create_task(self._send(key, [item for item, _ in batch]))
+
+        def settle(done: asyncio.Task) -> None:
+            try:
+                answers = done.result()
+            except BaseException as err:  # noqa: BLE001 - every waiting call gets the error
+                answers = [err] * len(batch)
+            for (_, future), answer in zip(batch, answers):
+                if not future.done():
+                    future.set_result(answer)
+
+        sent.add_done_callback(settle)
 
 
 class Placer:
@@ -50,7 +86,8 @@ class Placer:
         self._loop = loop
         self._feeds: dict[str, ReplicaFeed] = {}
         self._feeds_lock = threading.Lock()
-        self._routes: dict[asyncio.AbstractEventLoop, list[tuple[RouteRequest, asyncio.Future]]] = {}  # not sent yet
+        self._routes = TurnBatcher(self._send_routes)
+        self._submissions = TurnBatcher(self._send_submissions)
         self.replicas: dict = loop.run(self.router_call(lambda r: r.replicas.remote(), timeout=60))
         self.local = LocalRouter(self.router, list(self.replicas)) if local_routing else None
 
@@ -92,32 +129,17 @@ class Placer:
         if self.local is not None:
             answer = self.local.route_many([flight.route(moved_from)])[0]
         else:
-            loop = asyncio.get_running_loop()
-            future = loop.create_future()
-            batch = self._routes.setdefault(loop, [])
-            batch.append((flight.route(moved_from), future))
-            if len(batch) == 1:
-                loop.call_soon(self._send_routes, loop)
-            answer = await future
+            answer = await self._routes.call(None, flight.route(moved_from))
         if isinstance(answer, BaseException):
             raise unwrap(answer)
         return answer
 
-    def _send_routes(self, loop: asyncio.AbstractEventLoop) -> None:
-        batch = self._routes.pop(loop)
-        routes = [route for route, _ in batch]
-        sent = loop.create_task(self.router_call(lambda r: r.route_many.remote(routes)))
+    async def _send_routes(self, _: None, routes: list[RouteRequest]) -> list[str | BaseException]:
+        return await self.router_call(lambda r: r.route_many.remote(routes))
 
-        def settle(done: asyncio.Task) -> None:
-            try:
-                answers = done.result()
-            except BaseException as err:  # noqa: BLE001 - every waiting request gets the error
-                answers = [err] * len(batch)
-            for (_, future), answer in zip(batch, answers):
-                if not future.done():
-                    future.set_result(answer)
-
-        sent.add_done_callback(settle)
+    async def _send_submissions(self, replica_id: str, submissions: list[Submission]) -> list:
+        ref = self.replicas[replica_id].submit_many.remote(self.subscriber, submissions)
+        return await asyncio.wait_for(ref, SUBMIT_TIMEOUT)
 
     # ---- placing ------------------------------------------------------------------------
     async def place(self, flight: Flight, moved_from: str | None = None) -> None:
@@ -177,23 +199,17 @@ class Placer:
         gone is told to the router; its error, or a replica's typed refusal, is raised."""
         sender = None if flight.handover_from is None else self.replicas.get(flight.handover_from)
         await self._feed(replica_id, flight)
-        ref = self.replicas[replica_id].submit.remote(
-            self.subscriber,
-            flight.prompt,
-            flight.sampling,
-            flight.request_id,
-            flight.result.arrival,
-            flight.resume(),
-            sender,
+        submission = Submission(
+            flight.prompt, flight.sampling, flight.request_id, flight.result.arrival, flight.resume(), sender
         )
-        try:
-            flight.kv_fetch = await asyncio.wait_for(ref, SUBMIT_TIMEOUT)
-        except Exception as err:
+        answer = await self._submissions.call(replica_id, submission)
+        if isinstance(answer, BaseException):
             self.unfeed(flight)
-            if actor_gone(err):
-                await self.tell_lost(replica_id, type(err).__name__)
-                raise
-            raise unwrap(err) from None
+            if actor_gone(answer):
+                await self.tell_lost(replica_id, type(answer).__name__)
+                raise answer
+            raise unwrap(answer) from None
+        flight.kv_fetch = answer
 
     async def _feed(self, replica_id: str, flight: Flight) -> None:
         """Put the flight on this client's stream from the replica, opening one if needed."""

@@ -59,6 +59,17 @@ class KvEvents:
 
 
 @dataclass(frozen=True)
+class Completion:
+    """A request that ended on a replica (replica -> router), `output_len` its tokens on a
+    natural end (None when cut short: a length estimate must not learn a length it never had).
+    A replica sends those of one loop turn in one call (`RouterActor.complete_many`)."""
+
+    request_id: str
+    replica_id: str
+    output_len: int | None = None
+
+
+@dataclass(frozen=True)
 class StreamEvent:
     """New tokens of one request from one engine step. `made` is when the replica made them
     (its clock); `received` is stamped by the client when the event reaches it. The last

@@ -1,9 +1,11 @@
 """What a replica answers about itself (`ReplicaActor.info`), what a health check gets when no
-answer came, and the tokens a request carries to the replica it is moved to."""
+answer came, the tokens a request carries to the replica it is moved to, and one request as a
+client submits it among others (`ReplicaActor.submit_many`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from protocol.messages import HealthReport, LoadReport
 from protocol.records import JsonObject
@@ -58,3 +60,18 @@ class ReplicaInfo:
     steps_dropped: int
     steps_failed: int
     telemetry: JsonObject = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One request for `ReplicaActor.submit_many`, with `ReplicaActor.submit`'s arguments:
+    `params` a `replica.scheduling.request.SamplingParams` (or its fields), `handover_from` the
+    actor handle of the replica that holds its K/V. A client sends the requests it places on one
+    replica in one event-loop turn together: one Ray call for a burst, not one per request."""
+
+    prompt: str | list[int]
+    params: Any
+    request_id: str
+    arrival_time: float | None = None
+    resume: Resume | None = None
+    handover_from: Any = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protocol import defaults
-from protocol.messages import LoadReport
+from protocol.messages import KvEvents, LoadReport
 
 
 @dataclass(frozen=True)
@@ -43,3 +43,6 @@ class RouterView:
     reports: dict[str, LoadReport] = field(default_factory=dict)
     down: dict[str, str] = field(default_factory=dict)
     replica_ids: tuple[str, ...] = ()
+    # Per replica, the K/V event batches the client's block index has not seen, in order (a
+    # snapshot first, `reset`, when it is too far behind): a precise prefix index in every client.
+    kv_events: dict[str, list[KvEvents]] = field(default_factory=dict)

@@ -1,3 +1,4 @@
+# Over 400 lines: one thin method per call the clients, replicas, autoscaler and CLI make, over the handles it holds.
 """The router as a Ray actor: a thin shell around `Router` that holds the replica handles and
 ships decisions to the metrics store in batches.
 
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 
 import ray
@@ -57,18 +59,20 @@ from ray.actor import ActorHandle
 from protocol import defaults
 from protocol.backlog import StoreBacklog
 from protocol.errors import SlotServeError
-from protocol.messages import HealthReport, LoadReport
+from protocol.messages import Completion, HealthReport, KvEvents, LoadReport
 from protocol.records import Decision, JsonObject
 from protocol.replicas import Unreachable
 from protocol.routing import RouteRequest, RouterView
 from protocol.scaling import ArrivalWindow, ScalingView
 from protocol.telemetry_hooks import RouterTelemetry
+from router.block_index import kv_catch_up
 from router.pd_router import PdPools, PdRouter
 from router.policies import DEFAULT_POLICY
 from router.router import Router
 
 ROUTER_ACTOR_NAME = "slotserve-router"
 FLUSH_EVERY = 100
+KV_LOG_BATCHES = 64  # K/V event batches kept per replica for the clients that route locally
 
 
 @ray.remote(num_cpus=0)
@@ -132,6 +136,7 @@ class RouterActor:
         self._run_id: int | None = None
         # Decisions of the current run on their way to the store; never waits on it (protocol.backlog).
         self._decisions: StoreBacklog[Decision] = StoreBacklog(self._send_decisions, flush_every)
+        self._kv_log: dict[str, deque[KvEvents]] = {}  # each replica's last K/V batches, for clients routing locally
         if health_period is not None and restarted:
             self.apply_health(self._ask_health(health_timeout))
         if health_period is not None:
@@ -170,13 +175,27 @@ class RouterActor:
         """See `Router.complete` (the same arguments in the same order)."""
         return self._router.complete(request_id, replica_id, output_len)
 
-    def sync(self, decisions: list[Decision]) -> RouterView:
+    def complete_many(self, completions: list[Completion]) -> None:
+        """`complete` for the requests that ended in one loop turn of a replica, in one call."""
+        for done in completions:
+            self._router.complete(done.request_id, done.replica_id, done.output_len)
+
+    def sync(self, decisions: list[Decision], kv_next: dict[str, int] | None = None) -> RouterView:
         """For a client that routes on its own (`cluster.local_routing`): record its decisions
-        as this router's own, and return every replica's last load report and the replicas
-        that are down (with why), so its view is this router's, one call per report interval."""
+        as this router's own, and return every replica's last load report, the replicas that
+        are down (with why), and the K/V event batches from `kv_next` on (the number of the
+        batch its block index expects next, per replica), so its view is this router's, one
+        call per report interval. A client further behind than the batches kept here gets this
+        router's index of the replica whole."""
         if self._store is not None and self._run_id is not None:
             self._decisions.add(decisions)
-        return RouterView(self._router.load.last_reports(), dict(self._router.down), tuple(self._handles))
+        kv_next = kv_next or {}
+        kv_events = {}
+        for replica_id, log in self._kv_log.items():
+            batches = kv_catch_up(log, kv_next.get(replica_id), self._router.block_index.snapshot(replica_id))
+            if batches:
+                kv_events[replica_id] = batches
+        return RouterView(self._router.load.last_reports(), dict(self._router.down), tuple(self._handles), kv_events)
 
     def replica_lost(self, replica_id: str, reason: str) -> int:
         """A client lost its stream from the replica (the actor died, or its node): route
@@ -325,6 +344,8 @@ class RouterActor:
         """A replica's load report (see `Router.report`). A replica whose K/V events showed a gap
         is asked here for a snapshot, once: until it comes the router believes it holds nothing."""
         kept = self._router.report(load_report)
+        if load_report.kv_events is not None:
+            self._kv_log.setdefault(load_report.replica_id, deque(maxlen=KV_LOG_BATCHES)).append(load_report.kv_events)
         for replica_id in self._router.block_index.take_snapshot_requests():
             if (handle := self._handles.get(replica_id)) is not None:
                 handle.request_kv_snapshot.remote()

@@ -20,6 +20,7 @@ used as a bitmask over the replicas (one bit each), not a set per block.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 from protocol.messages import KvEvents
@@ -73,6 +74,18 @@ class BlockIndex:
             self.gaps += 1
             self.forget(replica_id)
             self._wanted.add(replica_id)
+
+    def next_seq(self, replica_id: str) -> int | None:
+        """The number of the replica's batch expected next (None: no snapshot of it yet)."""
+        return self._next_seq.get(replica_id)
+
+    def snapshot(self, replica_id: str) -> KvEvents | None:
+        """What this index holds of the replica, as a batch another index can start from (a
+        client routing on its own); None before the replica's first snapshot."""
+        expected = self._next_seq.get(replica_id)
+        if expected is None:
+            return None
+        return KvEvents(expected - 1, list(self._blocks.get(replica_id, {})), reset=True)
 
     def take_snapshot_requests(self) -> list[str]:
         """Replicas to ask for a snapshot (each once, until its snapshot comes)."""
@@ -227,3 +240,18 @@ class InFlightBlocks:
 
     def __len__(self) -> int:
         return len(self._requests)
+
+
+def kv_catch_up(log: deque[KvEvents], expected: int | None, snapshot: KvEvents | None) -> list[KvEvents]:
+    """The batches an index expecting batch number `expected` (None: it has none yet) needs to
+    catch up: those of the log it has not seen, when they follow on from what it has; else (the
+    log no longer reaches back that far) the router's own index of the replica, `snapshot`, and
+    the batches after it."""
+    batches = sorted(log, key=lambda b: b.seq)
+    if expected is not None:
+        newer = [b for b in batches if b.seq >= expected]
+        if all(b.seq == expected + i for i, b in enumerate(newer)):
+            return newer
+    if snapshot is None or (expected is not None and expected > snapshot.seq):
+        return []
+    return [snapshot, *(b for b in batches if b.seq > snapshot.seq)]

@@ -21,9 +21,9 @@ import openai
 import pytest
 import ray
 
-from cli.serve import build_ingress, http_server, serve_http
 from cluster.client import Client
 from cluster.deploy import ClusterSpec, Deployment, start_cluster, stop_cluster
+from cluster.http.server import build_ingress, http_server, serve_http
 from metrics.store import MetricsStore
 from replica import EngineConfig
 from replica.serving.loop import ReplicaConfig

@@ -11,9 +11,9 @@ import openai
 import pytest
 import ray
 
-from cli.serve import build_ingress, http_server, load_tokenizer, serve_http
 from cluster.client import Client
 from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
+from cluster.http.server import build_ingress, http_server, load_tokenizer, serve_http
 from replica import EngineConfig
 from replica.serving.loop import ReplicaConfig
 from tests.test_http_api import free_port

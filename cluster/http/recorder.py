@@ -61,16 +61,20 @@ class RunRecorder:
         """Start the periodic flush on the running event loop."""
         self._timer = asyncio.get_running_loop().create_task(self._flush_periodically())
 
-    async def close(self, status: str = "complete") -> None:
-        """Write what is buffered, have the replicas and router flush theirs, end the run."""
+    async def flush(self) -> None:
+        """Stop the periodic flush and write what is buffered."""
         if self._timer is not None:
             self._timer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._timer
         rows, self._rows = self._rows, []
+        if rows:
+            await self.store.add_requests.remote(self.run_id, rows)
+
+    async def close(self, status: str = "complete") -> None:
+        """Write what is buffered, have the replicas and router flush theirs, end the run."""
         try:
-            if rows:
-                await self.store.add_requests.remote(self.run_id, rows)
+            await self.flush()
             await asyncio.gather(*[a.flush.remote() for a in self.actors])
         except ray.exceptions.RayError as err:  # a replica already gone: the run still ends
             logger.warning("run %s: flushing at close failed: %s", self.run_id, err)

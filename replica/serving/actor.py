@@ -1,3 +1,4 @@
+# Over 400 lines: every call clients, the router and the store make on a replica lands here, each thin.
 """The Ray actor around one replica: a thin shell over `AsyncEngine`.
 
 It streams tokens straight to each client (one Ray streaming generator per client, one message
@@ -39,9 +40,9 @@ from protocol.backlog import StoreBacklog
 from protocol.errors import OverloadedError, SlotServeError
 from protocol.finish import NATURAL_ENDINGS
 from protocol.handover import Handover, KvFetch
-from protocol.messages import HealthReport, LoadReport, StreamEvent
+from protocol.messages import Completion, HealthReport, LoadReport, StreamEvent
 from protocol.records import StepRecord
-from protocol.replicas import ReplicaInfo, Resume
+from protocol.replicas import ReplicaInfo, Resume, Submission
 from protocol.telemetry_hooks import ReplicaTelemetry
 from replica.engine import RequestOutput
 from replica.errors import InvalidRequestError
@@ -91,6 +92,7 @@ class ReplicaActor:
         self.run_id: int | None = None
         self._steps: StoreBacklog[StepRecord] = StoreBacklog(self._send_steps, STEP_BATCH)
         self._pending: dict[str, list[StreamEvent]] = {}  # this step's events, per subscriber
+        self._completions: list[Completion] = []  # ended this loop turn, for the router in one call
         self._subscribers: dict[str, _Subscriber] = {}
         self._owner: dict[str, str] = {}  # request id -> subscriber, for requests held here
         self._streams = 0  # generations handed out
@@ -186,14 +188,27 @@ class ReplicaActor:
             self._owner.pop(request_id, None)
             if isinstance(err, SlotServeError):
                 self.telemetry.on_reject(request_id)
-            if isinstance(err, SlotServeError) and self.router is not None:
-                self.router.complete.remote(request_id, self.replica_id)
+            if isinstance(err, SlotServeError):
+                self._tell_completed(Completion(request_id, self.replica_id))
             raise
         if handover is not None and not kv_taken:
             fetch = KvFetch(0, fetch.seconds, self.serving.engine.kv_transfer.unusable(handover))
         if fetch is not None:
             self.telemetry.on_handover(fetch)
         return fetch
+
+    async def submit_many(self, subscriber: str, submissions: list[Submission]) -> list[KvFetch | BaseException | None]:
+        """`submit` for each of `submissions`, in one call; each gets its own answer (what its
+        `submit` returned, or the error that refused it), so one bad request never fails the
+        others of its burst."""
+        answers = await asyncio.gather(
+            *[
+                self.submit(subscriber, s.prompt, s.params, s.request_id, s.arrival_time, s.resume, s.handover_from)
+                for s in submissions
+            ],
+            return_exceptions=True,
+        )
+        return list(answers)
 
     async def _fetch(self, sender: ActorHandle, request_id: str, resume: Resume) -> tuple[Handover | None, KvFetch]:
         """The hand-over from `sender` (a direct actor call), timed; None with why when there is
@@ -233,7 +248,7 @@ class ReplicaActor:
         while sub.stream == generation:
             if sub.outbox:
                 sub.last_active = time.monotonic()
-                yield sub.outbox.popleft()
+                yield _coalesce(sub.outbox)
                 continue
             sub.wake.clear()
             await sub.wake.wait()
@@ -372,7 +387,21 @@ class ReplicaActor:
             # length estimate a length the request never had.
             natural = output.finish_reason in NATURAL_ENDINGS
             output_len = output.num_output_tokens if natural else None
-            self.router.complete.remote(output.request_id, self.replica_id, output_len)
+            self._tell_completed(Completion(output.request_id, self.replica_id, output_len))
+
+    def _tell_completed(self, completion: Completion) -> None:
+        """The router hears of every request that ended in one loop turn in one call: a Ray
+        call costs far more than the router's bookkeeping of a completion."""
+        if self.router is None:
+            return
+        if not self._completions:
+            asyncio.get_running_loop().call_soon(self._send_completions)
+        self._completions.append(completion)
+
+    def _send_completions(self) -> None:
+        completions, self._completions = self._completions, []
+        if self.router is not None:
+            self.router.complete_many.remote(completions)
 
     @property
     def _num_slots(self) -> int:
@@ -385,6 +414,17 @@ class ReplicaActor:
             return
         self._last_report = now
         self.router.report.remote(with_kv_events(load, self.serving.engine))
+
+
+def _coalesce(outbox: deque) -> list[StreamEvent]:
+    """Every step message waiting for a client, as one: a client slower than the steps gets
+    one Ray message per read, not one per step it missed, so streaming costs no more as the
+    steps come faster (events keep their order, and each its own step's time)."""
+    if len(outbox) == 1:
+        return outbox.popleft()
+    events = [event for step in outbox for event in step]
+    outbox.clear()
+    return events
 
 
 def _check_arguments(subscriber: Any, prompt: Any, request_id: Any, arrival_time: Any) -> None:
