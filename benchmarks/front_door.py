@@ -165,7 +165,6 @@ def replica_config(args):
 
 def slotserve_runs(args) -> dict:
     import ray
-    from ray.util.state import list_actors
 
     from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
     from cluster.http.ingress_actor import IngressConfig, start_ingresses, stop_ingresses
@@ -186,7 +185,7 @@ def slotserve_runs(args) -> dict:
     ingresses = start_ingresses(config, args.ingress_replicas)
     try:
         ingress_pids = [s.pid for s in ray.get([a.status.remote() for a in ingresses.values()])]
-        router = [a.pid for a in list_actors(filters=[("class_name", "=", "RouterActor"), ("state", "=", "ALIVE")])]
+        router = [ray.get(deployment.router.__ray_call__.remote(lambda _: os.getpid()))]
         url = f"http://127.0.0.1:{port}/v1/completions"
         runs = http_runs(args, url)
         for name, pids in (("ingress", ingress_pids), ("router", router)):

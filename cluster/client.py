@@ -150,8 +150,10 @@ class Client:
         try:
             while not finished:
                 try:
-                    wait = None if flight.deadline is None else max(0.0, flight.deadline - time.monotonic())
-                    event = await asyncio.wait_for(events.get(), wait)
+                    if flight.deadline is None:  # no timer: wait_for would cost a task per event
+                        event = await events.get()
+                    else:
+                        event = await asyncio.wait_for(events.get(), max(0.0, flight.deadline - time.monotonic()))
                 except TimeoutError:
                     raise RequestTimeoutError(
                         f"request {flight.request_id!r} did not finish within timeout={timeout:g} s "

@@ -136,7 +136,7 @@ def create_app(ingress: Ingress, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="slotserve", description=DESCRIPTION)
     metrics = IngressMetrics()
 
-    def check_key(request: Request) -> None:
+    async def check_key(request: Request) -> None:  # async: FastAPI runs a sync one on a thread, per request
         if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
             raise OpenAIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
                               code="invalid_api_key")  # fmt: skip
@@ -208,27 +208,29 @@ def create_app(ingress: Ingress, api_key: str | None = None) -> FastAPI:
             metrics.in_flight.dec()
             await events.aclose()
 
+        if not body.stream:  # the whole answer under one watch for the client hanging up
+            try:
+                return JSONResponse(await unless_disconnected(request, _collect(events, prepared, shape, request)))
+            except ClientGone:
+                return Response(status_code=499)  # nobody reads it; the request was aborted
+            finally:
+                await close()
         try:
             # The first event (or the refusal) comes before any byte is sent, so errors keep their status.
             first = await unless_disconnected(request, anext(events))
         except BaseException as err:
             await close()
             if isinstance(err, ClientGone):
-                return Response(status_code=499)  # nobody reads it; the request was aborted
+                return Response(status_code=499)
             raise
         metrics.ttft.labels(request.url.path).observe(time.time() - arrival)
-        if body.stream:
-            return EventStream(_stream(first, events, prepared, shape, body.include_usage), close)
-        try:
-            return JSONResponse(await unless_disconnected(request, _collect(first, events, prepared, shape)))
-        except ClientGone:
-            return Response(status_code=499)
-        finally:
-            await close()
+        return EventStream(_stream(first, events, prepared, shape, body.include_usage), close)
 
     async def _collect(
-        first: StreamEvent, events: AsyncIterator[StreamEvent], prepared: Prepared, shape: ResponseShape
+        events: AsyncIterator[StreamEvent], prepared: Prepared, shape: ResponseShape, request: Request
     ) -> dict:
+        first = await anext(events)
+        metrics.ttft.labels(request.url.path).observe(time.time() - prepared.arrival)
         text, token_ids, last = first.text, list(first.token_ids), first
         async for event in events:
             text += event.text
