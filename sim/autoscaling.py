@@ -105,6 +105,8 @@ class AutoscalingSimulator(Simulator):
     replica's (`measure_capacity` with one replica), which `queue_slo` and `predictive` price
     work with."""
 
+    _ONE_ROUTER = True  # replicas are added to, drained from and removed from the one router
+
     def __init__(
         self,
         workload: Workload,

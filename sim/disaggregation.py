@@ -73,6 +73,8 @@ class PdSimulator(Simulator):
     """`Simulator` over a prefill and a decode pool (see the module docstring); `transfers`
     holds every hand-over, in the order they left their prefill replica."""
 
+    _ONE_ROUTER = True  # a hand-over is routed again by the one router
+
     def __init__(
         self,
         workload: Workload,
@@ -91,14 +93,14 @@ class PdSimulator(Simulator):
         self._on_link: list[tuple[float, int, Handover, str]] = []  # (arrival, seq, hand-over, source)
         self._routes: dict[str, RouteRequest] = {}
 
-    def _make_router(self, ids: list[str]) -> Router:
+    def _make_router(self, ids: list[str], seed: int) -> Router:
         c = self.config
         return PdRouter(
             ids,
             self.pools.pd_pools(ids),
             policy=c.routing_policy,
             clock=self.clock,
-            seed=c.seed,
+            seed=seed,
             tpot_slo=c.slo.tpot,
             decision_figures=self.keep_records,
         )

@@ -1,6 +1,6 @@
 # Over 400 lines: the event loop, the replicas it steps, the router it feeds and what it records
 # share one virtual clock.
-"""A discrete-event simulator of the cluster: N replicas behind one router, on virtual time.
+"""A discrete-event simulator of the cluster: N replicas behind one router (or several), on virtual time.
 
 Nothing here re-implements a policy. Each simulated replica is a real `replica.engine.Engine`
 (so the real scheduler of its batching policy) whose runner pays a cost model's step time on
@@ -31,6 +31,14 @@ step (the capacity probes send every request at once: their first decode steps f
 prefill of every request but the first). Without them a simulated cluster decodes faster than
 the one it stands for, and a prefix hit's TTFT (one short step) misses a large part.
 
+Routing split across `routers` routers, as Ray Serve's ingresses each route on their own: the
+request of workload index i is routed by router i mod `routers`, which alone hears of its end,
+while every router is given every replica's load reports and K/V events, the same objects. Each
+router counts in flight only what it routed itself, and its policy's seed is the run's plus its
+number (router 0 is the one router of `routers=1`). Decisions of all of them are kept, in time
+order. `self.router` is router 0: the subclasses, which change the replicas behind the router
+(`sim.autoscaling`) or route a request twice (`sim.disaggregation`), model one router only.
+
 Left out on purpose: a decision's own time (tens of microseconds against steps of milliseconds);
 reports and completions reach the router at once.
 
@@ -50,6 +58,7 @@ import itertools
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
+from operator import attrgetter
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, field_validator
@@ -99,6 +108,12 @@ class SimulationConfig(BaseModel):
     )
     submit_interval: NonNegativeFloat = Field(
         0.0, description="the client's seconds per request: requests due together are routed this far apart"
+    )
+    routers: int = Field(
+        1,
+        gt=0,
+        description="routers sharing the traffic (workload index mod routers), each told every replica's "
+        "load reports and K/V events but only the ends of the requests it routed",
     )
 
     @field_validator("routing_policy")
@@ -151,6 +166,7 @@ class Simulator:
     `max_decision_figures` bound what the run keeps (see the module docstring)."""
 
     _STEP_END, _WAKE = 0, 1  # at equal times, step ends before timers
+    _ONE_ROUTER = False  # a subclass that models one router only refuses `routers` > 1
 
     def __init__(
         self,
@@ -170,9 +186,12 @@ class Simulator:
         self.check_invariants = check_invariants
         self.keep_records = keep_records
         self.max_decision_figures = max_decision_figures
-        self.clock = FakeClock()  # the router's: global virtual time
+        if self._ONE_ROUTER and self.config.routers > 1:
+            raise ConfigError(f"{type(self).__name__} models one router, not routers={self.config.routers}")
+        self.clock = FakeClock()  # the routers': global virtual time
         ids = [f"r{i}" for i in range(self.config.num_replicas)]
-        self.router = self._make_router(ids)
+        self.routers = [self._make_router(ids, self.config.seed + k) for k in range(self.config.routers)]
+        self.router = self.routers[0]
         self.replicas = [self._make_replica(i, rid) for i, rid in enumerate(ids)]
         self._by_id = {r.replica_id: r for r in self.replicas}
         self.schedule = ArrivalSchedule(workload)
@@ -200,13 +219,17 @@ class Simulator:
         self._steps[replica_id] = []
         self._step_counts[replica_id] = 0
 
-    def _make_router(self, ids: list[str]) -> Router:
-        """The router over the replicas (`sim.disaggregation`: one over two pools), with no
-        per-replica figures in decisions a run without records never keeps."""
+    def _make_router(self, ids: list[str], seed: int) -> Router:
+        """A router over the replicas (`sim.disaggregation`: one over two pools), its policy
+        seeded by `seed`, with no per-replica figures in decisions a run without records never keeps."""
         c = self.config
         return Router(
-            ids, c.routing_policy, self.clock, seed=c.seed, tpot_slo=c.slo.tpot, decision_figures=self.keep_records
+            ids, c.routing_policy, self.clock, seed=seed, tpot_slo=c.slo.tpot, decision_figures=self.keep_records
         )
+
+    def _router_of(self, request_id: str) -> Router:
+        """The router that routes the request, and alone hears of its end: its workload index mod `routers`."""
+        return self.routers[self._arrivals[request_id].index % len(self.routers)]
 
     def _hands_over(self, replica_id: str) -> bool:
         """Whether the replica only prefills what it is routed (`sim.disaggregation`: a prefill
@@ -297,7 +320,7 @@ class Simulator:
         sent = planned if now <= planned + delay else now - delay
         prompt = request_prompt(self.config.seed, index, spec, self.config.vocab_size)
         try:
-            decision = self.router.route(self._route_request(rid, spec, prompt, sent))
+            decision = self._router_of(rid).route(self._route_request(rid, spec, prompt, sent))
             replica = self._by_id[decision.replica_id]
             replica.engine.add_request(
                 prompt,
@@ -313,15 +336,15 @@ class Simulator:
             self._done[rid] = RequestTrace(
                 rid, sent, [], now, "rejected" if rejected else "error", spec.prompt_len, None
             )
-            self.router.complete(rid)
+            self._router_of(rid).complete(rid)
             self.schedule.finished(index, now)
             return
         self._requests[rid] = (replica.engine.requests[rid], replica.replica_id)
         self._dirty.add(replica.index)
 
     def _take_decisions(self) -> None:
-        """Keep the router's new decisions, their per-replica figures within the run's bound."""
-        decisions = self.router.drain_decisions()
+        """Keep the routers' new decisions, in time order, their per-replica figures within the run's bound."""
+        decisions = heapq.merge(*(router.drain_decisions() for router in self.routers), key=attrgetter("time"))
         if not self.keep_records:
             return
         for decision in decisions:
@@ -378,7 +401,7 @@ class Simulator:
                 self._done[output.request_id] = request_trace(request, output.time, replica_id)
                 if self.keep_records:
                     self._token_ids[output.request_id] = request.output_token_ids
-                self.router.complete(output.request_id, output_len=request.num_output_tokens)
+                self._router_of(output.request_id).complete(output.request_id, output_len=request.num_output_tokens)
                 self.schedule.finished(self._arrivals[output.request_id].index, now)
         record, rid = result.record, replica.replica_id
         self._step_counts[rid] += 1
@@ -393,7 +416,9 @@ class Simulator:
         load = replica.engine.load_report(replica.replica_id)
         if force or report_due(load, load.time - replica.last_report):
             replica.last_report = load.time
-            self.router.report(with_kv_events(load, replica.engine))
+            load = with_kv_events(load, replica.engine)
+            for router in self.routers:
+                router.report(load)
 
     def _check_all_ended(self) -> None:
         """Every request ends exactly once; anything else is a stuck policy or a lost request."""

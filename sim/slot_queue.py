@@ -95,8 +95,10 @@ class SlotQueueCluster:
                 f"the slot-queue model prices continuous batching ({', '.join(CONTINUOUS_POLICIES)}), "
                 f"not {config.engine.policy!r}: use sim.autoscaling.AutoscalingSimulator"
             )
-        if config.routing_policy != "least_loaded" or config.cost_scales is not None:
-            raise ConfigError("the slot-queue model routes least_loaded over replicas of one speed only")
+        if config.routing_policy != "least_loaded" or config.cost_scales is not None or config.routers != 1:
+            raise ConfigError(
+                "the slot-queue model routes least_loaded, by one router, over replicas of one speed only"
+            )
         if not autoscale.min_replicas <= config.num_replicas <= autoscale.max_replicas:
             raise ConfigError(
                 f"num_replicas {config.num_replicas} must lie within the autoscaling bounds "
