@@ -160,8 +160,9 @@ class BlockIndex:
             if not alive:
                 return matched
             holding = alive & self._holders.get(h, 0)
-            for replica_id in self._replicas(alive & ~holding):
-                matched[replica_id] = i
+            if i:  # those without the first block stay at 0
+                for replica_id in self._replicas(alive & ~holding):
+                    matched[replica_id] = i
             alive = holding
         for replica_id in self._replicas(alive):
             matched[replica_id] = len(hashes)
@@ -224,15 +225,23 @@ class InFlightBlocks:
     def matched_blocks(self, hashes: Sequence[int]) -> dict[str, int]:
         """Per replica with a request in flight sharing the prompt's first block, how many leading
         blocks of the prompt those requests hold (replicas with none are left out)."""
-        if not hashes:
+        first = self._holders.get(hashes[0]) if hashes else None
+        if not first:
             return {}
-        matched = {}
-        for replica_id in self._holders.get(hashes[0], ()):
-            n = 1
-            while n < len(hashes) and replica_id in self._holders.get(hashes[n], ()):
-                n += 1
-            matched[replica_id] = n
-        return matched
+        # block by block, the replicas still matching (set operations, not a walk per replica)
+        depth: dict[str, int] = {}
+        alive = set(first)
+        for n in range(1, len(hashes)):
+            holding = self._holders.get(hashes[n])
+            still = alive.intersection(holding) if holding else set()
+            for replica_id in alive - still:
+                depth[replica_id] = n
+            alive = still
+            if not alive:
+                break
+        for replica_id in alive:
+            depth[replica_id] = len(hashes)
+        return {replica_id: depth[replica_id] for replica_id in first}  # in the first block's holders' order
 
     def num_blocks(self, replica_id: str) -> int:
         """Distinct blocks the requests in flight on the replica hold (cached there or soon)."""

@@ -104,6 +104,9 @@ class RoutableIndex:
         self._held: dict[str, tuple[int, float]] = {}  # replica id -> (sequence number, score)
         self._buckets: dict[float, list[int]] = {}  # score -> sequence numbers, ascending
         self._scores: list[float] = []  # heap of bucket scores, some of emptied buckets
+        # the routable replicas in rank order and their scores, built when asked after a change
+        self._order: list[str] | None = None
+        self._ranked_scores: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self._ranked)
@@ -114,18 +117,21 @@ class RoutableIndex:
         if held is not None:
             if held[1] == score:
                 return
+            self._ranked_scores = None
             bucket = self._buckets[held[1]]
             del bucket[bisect_left(bucket, seq)]
             if not bucket:
                 del self._buckets[held[1]]
             if score is None:
                 del self._ranked[bisect_left(self._ranked, seq)], self._ids[seq], self._held[replica_id]
+                self._order = None
                 return
         elif score is None:
             return
         else:
             insort(self._ranked, seq)
             self._ids[seq] = replica_id
+            self._order = self._ranked_scores = None
         self._held[replica_id] = (seq, score)
         bucket = self._buckets.get(score)
         if bucket is not None:
@@ -146,8 +152,24 @@ class RoutableIndex:
 
     def replica_ids(self) -> list[str]:
         """The routable replicas in rank order."""
-        ids = self._ids
-        return [ids[seq] for seq in self._ranked]
+        return list(self.ordered_ids())
+
+    def ordered_ids(self) -> list[str]:
+        """`replica_ids`, the list kept until the next change (not to be changed by the caller):
+        a decision that builds every replica's figures asks for it once, and between two
+        decisions most replicas change nothing."""
+        if self._order is None:
+            ids = self._ids
+            self._order = [ids[seq] for seq in self._ranked]
+        return self._order
+
+    def ordered_scores(self) -> list[float]:
+        """The routable replicas' load scores in rank order (kept likewise, not to be changed):
+        each replica's `ReplicaView.load_score`, held since its last change."""
+        if self._ranked_scores is None:
+            held = self._held
+            self._ranked_scores = [held[replica_id][1] for replica_id in self.ordered_ids()]
+        return self._ranked_scores
 
     def least_loaded(self, start: int) -> int:
         """The rank of the lowest-scored replica, the first of those tied at or after rank
@@ -224,8 +246,18 @@ class LoadView:
         return len(self._in_flight) - len(self._down)
 
     def routable_views(self, now: float) -> list[ReplicaView]:
-        """The routable replicas' views, in rank order (see `views` for the ages)."""
-        return [self.view(replica_id, now) for replica_id in self.routable.replica_ids()]
+        """The routable replicas' views, in rank order (see `views` for the ages). Built as
+        `view` builds one, inlined: every decision that scores every replica builds them all."""
+        reports, in_flight, make = self._reports, self._in_flight, tuple.__new__
+        views = []
+        for replica_id in self.routable.ordered_ids():
+            report = reports.get(replica_id)
+            if report is None:
+                views.append(make(ReplicaView, (replica_id, in_flight[replica_id], None, None)))
+            else:
+                age = now - report.time
+                views.append(make(ReplicaView, (replica_id, in_flight[replica_id], report, age if age > 0.0 else 0.0)))
+        return views
 
     def view(self, replica_id: str, now: float) -> ReplicaView:
         report = self._reports.get(replica_id)

@@ -59,7 +59,9 @@ class RoutingPolicy:
         rank. Makes the choice `choose` would make, with the same cursor and random draws."""
         raise NotImplementedError
 
-    def indexed_scores(self, views: list[ReplicaView], looked: dict[int, float]) -> list[float]:
+    def indexed_scores(
+        self, views: list[ReplicaView], looked: dict[int, float], routable: RoutableIndex
+    ) -> list[float]:
         """Every routable replica's score for a decision `choose_indexed` made (`looked`: the
         scores it looked at), as `scores` would have given them: here, +inf for the others."""
         return [looked.get(i, math.inf) for i in range(len(views))]
@@ -162,8 +164,11 @@ class LeastLoaded(RoutingPolicy):
         self._cursor = (index + 1) % n
         return index, {index: routable.score_at(index)}
 
-    def indexed_scores(self, views: list[ReplicaView], looked: dict[int, float]) -> list[float]:
-        return [v.load_score for v in views]
+    def indexed_scores(
+        self, views: list[ReplicaView], looked: dict[int, float], routable: RoutableIndex
+    ) -> list[float]:
+        """Every view's `load_score`, as the index holds them."""
+        return list(routable.ordered_scores())
 
 
 class PowerOfTwo(RoutingPolicy):
@@ -230,7 +235,7 @@ class LeastWork(RoutingPolicy):
         self._in_flight: dict[str, RouteRequest] = {}
 
     def scores(self, request: RouteRequest, views: list[ReplicaView]) -> list[float]:
-        return [self.work.score(v) for v in views]
+        return self.work.scores(views)
 
     def dispatched(self, request: RouteRequest, replica_id: str, now: float) -> None:
         prefill = self.prefill_tokens(request, replica_id)
@@ -316,13 +321,21 @@ class PrefixAffinity(PredictedLength):
         return max(0, request.prompt_len - self.matched_blocks(request, replica_id) * request.block_size)
 
     def scores(self, request: RouteRequest, views: list[ReplicaView]) -> list[float]:
-        pending = [self.work.score(v) for v in views]  # pending work and the wait for a slot
-        self.matched(request, views)
+        pending = self.work.scores(views)  # pending work and the wait for a slot
+        matched = self.matched(request, views)
         bound = self.balance_ratio * min(pending) + self.balance_tokens
-        return [
-            p + self.miss_weight * self.prefill_tokens(request, v.replica_id) if p <= bound else math.inf
-            for v, p in zip(views, pending)
-        ]
+        # `prefill_tokens` per replica, inlined (it is asked of every replica), the same
+        # product for every replica that holds none of the prompt
+        prompt_len, block_size, weight = request.prompt_len, request.block_size, self.miss_weight
+        miss_all = weight * max(0, prompt_len)
+        scores = []
+        for v, p in zip(views, pending):
+            if not p <= bound:
+                scores.append(math.inf)
+                continue
+            held = matched.get(v.replica_id, 0)
+            scores.append(p + (weight * max(0, prompt_len - held * block_size) if held else miss_all))
+        return scores
 
     def dispatched(self, request: RouteRequest, replica_id: str, now: float) -> None:
         super().dispatched(request, replica_id, now)
@@ -388,13 +401,11 @@ class PrecisePrefix(PrefixAffinity):
 
     def choose(self, request: RouteRequest, views: list[ReplicaView]) -> tuple[int, list[float]]:
         scores = self.scores(request, views)
+        matched = self._matched[1]  # what `scores` found: `matched_blocks` per replica, inlined
         best = min(range(len(scores)), key=scores.__getitem__)
-        depth = self.matched_blocks(request, views[best].replica_id)
-        near = [
-            i
-            for i, s in enumerate(scores)
-            if s <= scores[best] + self.placement_slack and self.matched_blocks(request, views[i].replica_id) == depth
-        ]
+        depth = matched.get(views[best].replica_id, 0)
+        bar = scores[best] + self.placement_slack
+        near = [i for i, s in enumerate(scores) if s <= bar and matched.get(views[i].replica_id, 0) == depth]
         held = {
             i: self.index.num_blocks(views[i].replica_id) + self.in_flight.num_blocks(views[i].replica_id) for i in near
         }

@@ -97,19 +97,18 @@ class Router:
         policy, views, index, scores = self._choose(request, now)
         if not self.decision_figures and len(views) > 1:
             views, scores, index = [views[index]], [scores[index]], 0
-        ages = []
-        if policy.uses_load:
-            ages = [v.report_age for v, s in zip(views, scores) if v.report_age is not None and not math.isinf(s)]
+        chosen = views[index].replica_id
+        ids = [v.replica_id for v in views]
         decision = Decision(
             request_id=request.request_id,
-            replica_id=views[index].replica_id,
+            replica_id=chosen,
             time=now,
             policy=policy.name,
-            scores={v.replica_id: s for v, s in zip(views, scores)},
-            signal_age=max(ages) if ages else None,
-            in_flight={v.replica_id: v.in_flight for v in views},
-            predicted_ttft=_from_send(policy.predicted_ttft(views[index].replica_id), request.waited(now)),
-            believed_cached=policy.believed_cached(request, views[index].replica_id),
+            scores=dict(zip(ids, scores)),
+            signal_age=_oldest_signal(views, scores) if policy.uses_load else None,
+            in_flight=dict(zip(ids, [v.in_flight for v in views])),
+            predicted_ttft=_from_send(policy.predicted_ttft(chosen), request.waited(now)),
+            believed_cached=policy.believed_cached(request, chosen),
         )
         self.load.dispatched(decision.replica_id, request.request_id)
         policy.dispatched(request, decision.replica_id, now)
@@ -133,7 +132,7 @@ class Router:
         if not self.decision_figures:
             return policy, [self.load.view(self.load.routable.replica_at(index), now)], 0, [looked[index]]
         views = self.load.routable_views(now)
-        return policy, views, index, policy.indexed_scores(views, looked)
+        return policy, views, index, policy.indexed_scores(views, looked, self.load.routable)
 
     def _check_capacity(self) -> None:
         """OverloadedError when no replica is up, `max_in_flight` is reached, or every replica
@@ -255,6 +254,17 @@ class Router:
 def _check_tpot_slo(tpot_slo: float) -> None:
     if not tpot_slo > 0:
         raise RoutingError(f"tpot_slo must be a positive number of seconds per output token; got {tpot_slo}")
+
+
+def _oldest_signal(views: list[ReplicaView], scores: list[float]) -> float | None:
+    """The oldest report age among the replicas a decision scored finitely (None: none had
+    reported)."""
+    oldest = None
+    for view, score in zip(views, scores):
+        age = view.report_age
+        if age is not None and score != math.inf and score != -math.inf and (oldest is None or age > oldest):
+            oldest = age
+    return oldest
 
 
 def _from_send(predicted: float | None, waited: float) -> float | None:

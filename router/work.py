@@ -22,6 +22,10 @@ Work is counted in prefill-token equivalents: a decode token weighs `decode_weig
 tokens, since at saturation a step computes many prompt tokens in the time it makes one token
 for each running request (4 on this machine's fitted cost model: about 230 prefill and 44
 decode tokens/s per replica at 8 slots; far more on a GPU).
+
+A replica's score is kept from one call to the next until its reservations change or a new
+report of it comes (`score` is asked of every replica at every decision, and between two
+decisions most replicas neither take nor finish a request nor report).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from protocol.messages import LoadReport
 from router.load import ReplicaView
 
 DECODE_WEIGHT = 4.0
@@ -47,12 +52,15 @@ class WorkLedger:
         self.decode_weight = decode_weight
         self._reserved: dict[str, _Reservation] = {}  # request id -> what it reserved
         self._by_replica: dict[str, dict[str, _Reservation]] = {}
+        # replica -> (the report its score was computed from, the score), until it changes
+        self._scored: dict[str, tuple[LoadReport | None, float]] = {}
 
     def reserve(self, request_id: str, replica_id: str, prefill: int, decode: float, now: float) -> None:
         self.release(request_id)
         reservation = _Reservation(replica_id, prefill, decode, now)
         self._reserved[request_id] = reservation
         self._by_replica.setdefault(replica_id, {})[request_id] = reservation
+        self._scored.pop(replica_id, None)
 
     def release(self, request_id: str) -> bool:
         """Drop a request's reservation; False if it held none (routed by another policy)."""
@@ -60,6 +68,7 @@ class WorkLedger:
         if reservation is None:
             return False
         del self._by_replica[reservation.replica_id][request_id]
+        self._scored.pop(reservation.replica_id, None)
         return True
 
     def prefill_pending(self, view: ReplicaView) -> float:
@@ -100,9 +109,24 @@ class WorkLedger:
             heapq.heappush(running, heapq.heappop(running) + queued)
         return running[0]
 
+    def scores(self, views: list[ReplicaView]) -> list[float]:
+        """`score` of each view (the kept ones looked up here, without a call each)."""
+        scored, out = self._scored, []
+        for view in views:
+            kept = scored.get(view.replica_id)
+            out.append(kept[1] if kept is not None and kept[0] is view.report else self.score(view))
+        return out
+
     def score(self, view: ReplicaView) -> float:
         """What `least_work` minimises: the pending work plus the wait for a slot, a decode step
         weighed as a decode token (a new request is held back by both: by the prompts and
-        outputs ahead of it, and, with every slot taken, by the steps until one frees)."""
+        outputs ahead of it, and, with every slot taken, by the steps until one frees). It
+        reads the replica's reservations and last report alone, so the score is kept until
+        either changes (a report is a frozen object: the same object, the same figures)."""
+        scored = self._scored.get(view.replica_id)
+        if scored is not None and scored[0] is view.report:
+            return scored[1]
         left = self.decode_left(view)
-        return self.prefill_pending(view) + self.decode_weight * (sum(left) + self.slot_wait(view, left))
+        score = self.prefill_pending(view) + self.decode_weight * (sum(left) + self.slot_wait(view, left))
+        self._scored[view.replica_id] = (view.report, score)
+        return score
