@@ -6,7 +6,7 @@ passed or the replica restarted), the router's bounded block index kept from the
 from __future__ import annotations
 
 import asyncio
-from collections import Counter, deque
+from collections import Counter
 
 import pytest
 
@@ -24,7 +24,7 @@ from replica.scheduling.block_manager import BlockManager
 from replica.scheduling.kv_events import KvEventBuffer, with_kv_events
 from replica.scheduling.request import Request, SamplingParams
 from replica.serving.loop import AsyncEngine
-from router.block_index import BlockIndex, kv_catch_up
+from router.block_index import BlockIndex
 from router.router import Router
 from sim.cost_model import FittedCostModel
 from sim.simulator import SimulationConfig, Simulator, measure_capacity, record_simulation
@@ -394,33 +394,3 @@ def test_a_snapshot_asked_of_the_serving_loop_goes_on_its_next_report():
         ).scheduler.slots.request_kv_snapshot()
         is False
     )
-
-
-def test_a_client_routing_locally_catches_up_on_kv_events_from_the_log_or_from_a_snapshot():
-    """`kv_catch_up` (the router actor's answer to a local router's sync) leaves the client's
-    block index holding what the actor's holds: from the batches it missed while they are in
-    the log, from the actor's snapshot once they fell out of it or when it has none yet."""
-    actor, log = BlockIndex(), deque(maxlen=4)
-
-    def send(events: KvEvents) -> None:
-        actor.apply("r0", events)
-        log.append(events)
-
-    def synced(client: BlockIndex) -> None:
-        for batch in kv_catch_up(log, client.next_seq("r0"), actor.snapshot("r0")):
-            client.apply("r0", batch)
-        assert client.next_seq("r0") == actor.next_seq("r0")
-        assert {h for h in range(100) if client.holds("r0", h)} == {h for h in range(100) if actor.holds("r0", h)}
-
-    send(KvEvents(0, [1, 2, 3], reset=True))
-    client = BlockIndex()
-    synced(client)  # none yet: the snapshot
-    send(KvEvents(1, [4], [1]))
-    send(KvEvents(2, [5]))
-    assert [b.seq for b in kv_catch_up(log, client.next_seq("r0"), actor.snapshot("r0"))] == [1, 2]
-    synced(client)  # from the log
-    assert kv_catch_up(log, client.next_seq("r0"), actor.snapshot("r0")) == []  # up to date: nothing sent
-    for seq in range(3, 9):  # more than the log holds
-        send(KvEvents(seq, [10 + seq], [seq + 1]))
-    assert kv_catch_up(log, client.next_seq("r0"), actor.snapshot("r0"))[0].reset
-    synced(client)  # from the actor's snapshot
