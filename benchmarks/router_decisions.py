@@ -317,7 +317,7 @@ def actor_rates(policy: str, replicas: int, batch_size: int, batches: int, seria
 
     @ray.remote(num_cpus=0)
     class NullStore:
-        def add_decisions(self, run_id, rows) -> None:
+        def add_decision_records(self, run_id, decisions) -> None:
             pass
 
     @ray.remote(num_cpus=0)

@@ -7,7 +7,7 @@ one call per request at dispatch and one at completion, never a token. It asks R
 (its own work is tens of microseconds per call). Its methods are synchronous and run one at a
 time, so the `Router` inside needs no lock; and on the 2-core development machine a no-op
 synchronous actor took 1.3-1.6x the calls per second of an async one
-(benchmarks/router_throughput.py prints both next to this actor's figures).
+(`benchmarks/router_decisions.py --actor` prints both next to this actor's figures).
 
 Health: with `health_period` set, a watcher thread asks every replica for its `health()` each
 period (never two questions to one replica at once) and hands the answers to the actor's own

@@ -46,6 +46,7 @@ class BlockIndex:
         self._held: dict[str, dict[int, KvEvents]] = {}  # replica -> batches that came early, by number
         self._wanted: set[str] = set()  # replicas whose index was dropped, until their snapshot
         self._asked: set[str] = set()  # of those, the ones already handed out by take_snapshot_requests
+        self._alive: tuple[tuple[str, ...], int] = ((), 0)  # the last replicas looked up, their bits' mask
         self.gaps = 0  # batches counted as lost
         self.ignored = 0  # batches ignored: older than expected, or before a replica's first snapshot
 
@@ -101,6 +102,7 @@ class BlockIndex:
         """Drop everything known of the replica (removed, restarted, or its batches lost)."""
         bit = self._bit.pop(replica_id, None)
         if bit is not None:
+            self._alive = ((), 0)
             for h in self._blocks.pop(replica_id):
                 self._drop_holder(h, 1 << bit)
             del self._replica_of[bit]
@@ -118,6 +120,7 @@ class BlockIndex:
 
     def _apply(self, replica_id: str, events: KvEvents) -> None:
         if replica_id not in self._bit:
+            self._alive = ((), 0)
             bit = self._free_bits.pop() if self._free_bits else len(self._bit)
             self._bit[replica_id], self._replica_of[bit] = bit, replica_id
             self._blocks[replica_id] = {}
@@ -151,11 +154,7 @@ class BlockIndex:
     def matched_blocks(self, hashes: Sequence[int], replica_ids: Sequence[str]) -> dict[str, int]:
         """Per replica, how many leading blocks of the prompt its cache holds (as last reported)."""
         matched = dict.fromkeys(replica_ids, 0)
-        alive = 0
-        for replica_id in replica_ids:
-            bit = self._bit.get(replica_id)
-            if bit is not None:
-                alive |= 1 << bit
+        alive = self._mask(replica_ids)
         for i, h in enumerate(hashes):
             if not alive:
                 return matched
@@ -167,6 +166,21 @@ class BlockIndex:
         for replica_id in self._replicas(alive):
             matched[replica_id] = len(hashes)
         return matched
+
+    def _mask(self, replica_ids: Sequence[str]) -> int:
+        """The bits of those of `replica_ids` the index holds blocks of; kept for the next call
+        with the same replicas (every decision asks it of the routable ones) until a replica
+        gains or loses its bit."""
+        key = tuple(replica_ids)
+        if key == self._alive[0]:
+            return self._alive[1]
+        alive = 0
+        for replica_id in key:
+            bit = self._bit.get(replica_id)
+            if bit is not None:
+                alive |= 1 << bit
+        self._alive = (key, alive)
+        return alive
 
     def touch(self, replica_id: str, hashes: Sequence[int]) -> None:
         """A request using these blocks was sent to the replica: they are its most recently used."""

@@ -82,19 +82,29 @@ class OutputResiduals:
 
     def __init__(self, window: int = OUTPUT_WINDOW):
         self._lengths: deque[int] = deque(maxlen=window)
+        self._ordered: list[int] | None = None  # the lengths sorted, until the next observed
 
     def observe(self, output_len: int) -> None:
         self._lengths.append(output_len)
+        self._ordered = None
 
     def remaining(self, rows: list[tuple[float, int]]) -> list[float]:
-        """Per decoding row (expected output, tokens made), its output still to come."""
+        """Per decoding row (expected output, tokens made), its output still to come. The
+        lengths longer than a row's `made` are a tail of the sorted lengths, read by position
+        (the sort is kept until the next length comes: every replica's rows read it)."""
         if not self._lengths:
             return [expected - made if made < expected else float(max(1, made)) for expected, made in rows]
-        ordered = sorted(self._lengths)
-        ahead = [[n - made for n in ordered[bisect.bisect_right(ordered, made) :]] for _, made in rows]
-        rank = sorted(range(len(rows)), key=lambda i: ahead[i][len(ahead[i]) // 2] if ahead[i] else math.inf)
+        if self._ordered is None:
+            self._ordered = sorted(self._lengths)
+        ordered, total = self._ordered, len(self._lengths)
+        starts = [bisect.bisect_right(ordered, made) for _, made in rows]  # the first longer than made
+        keys = [
+            ordered[b + (total - b) // 2] - made if b < total else math.inf for b, (_, made) in zip(starts, rows)
+        ]  # the median of the output still to come
+        rank = sorted(range(len(rows)), key=keys.__getitem__)
         out = [0.0] * len(rows)
         for j, i in enumerate(rank):
-            longer = ahead[i]
-            out[i] = float(longer[int((j + 0.5) / len(rows) * len(longer))]) if longer else float(max(1, rows[i][1]))
+            b, made = starts[i], rows[i][1]
+            longer = total - b
+            out[i] = float(ordered[b + int((j + 0.5) / len(rows) * longer)] - made) if longer else float(max(1, made))
         return out

@@ -199,6 +199,8 @@ class LoadView:
         self._down: set[str] = set()
         self._counted: dict[str, int] = {}  # replica id -> its requests counted in up_in_flight
         self.routable = RoutableIndex()
+        self._routable_in_flight: dict[str, int] | None = None  # see `routable_in_flight`
+        self.oldest_age: float | None = None  # see `routable_views`
         self.up_in_flight = 0
         self.unknown_completions = 0
         self.stale_reports = 0
@@ -225,6 +227,7 @@ class LoadView:
         they ever come, count as unknown."""
         self.require(replica_id)
         self.routable.put(replica_id, self._seq.pop(replica_id), None)
+        self._routable_in_flight = None
         self.up_in_flight -= self._counted.pop(replica_id)
         self._down.discard(replica_id)
         del self._in_flight[replica_id]
@@ -247,17 +250,32 @@ class LoadView:
 
     def routable_views(self, now: float) -> list[ReplicaView]:
         """The routable replicas' views, in rank order (see `views` for the ages). Built as
-        `view` builds one, inlined: every decision that scores every replica builds them all."""
+        `view` builds one, inlined: every decision that scores every replica builds them all.
+        The oldest of their report ages is left in `oldest_age` (None: none has reported), the
+        signal age of a decision that scored every one of them finitely."""
         reports, in_flight, make = self._reports, self._in_flight, tuple.__new__
-        views = []
+        views, oldest = [], None
         for replica_id in self.routable.ordered_ids():
             report = reports.get(replica_id)
             if report is None:
                 views.append(make(ReplicaView, (replica_id, in_flight[replica_id], None, None)))
             else:
                 age = now - report.time
-                views.append(make(ReplicaView, (replica_id, in_flight[replica_id], report, age if age > 0.0 else 0.0)))
+                age = age if age > 0.0 else 0.0
+                if oldest is None or age > oldest:
+                    oldest = age
+                views.append(make(ReplicaView, (replica_id, in_flight[replica_id], report, age)))
+        self.oldest_age = oldest
         return views
+
+    def routable_in_flight(self) -> dict[str, int]:
+        """Requests in flight per routable replica, in rank order: `in_flight` of each of the
+        `routable_views`, kept as requests come and go (not to be changed by the caller; a
+        decision's figures copy it)."""
+        if self._routable_in_flight is None:
+            in_flight = self._in_flight
+            self._routable_in_flight = {r: in_flight[r] for r in self.routable.ordered_ids()}
+        return self._routable_in_flight
 
     def view(self, replica_id: str, now: float) -> ReplicaView:
         report = self._reports.get(replica_id)
@@ -274,6 +292,12 @@ class LoadView:
         routable = up and in_flight < self.max_in_flight_per_replica
         score = load_score(in_flight, self._reports.get(replica_id)) if routable else None
         self.routable.put(replica_id, self._seq[replica_id], score)
+        kept = self._routable_in_flight
+        if kept is not None:
+            if routable and replica_id in kept:
+                kept[replica_id] = in_flight
+            elif routable or replica_id in kept:  # it joined or left the routable: ranks move
+                self._routable_in_flight = None
 
     def owner(self, request_id: str) -> str | None:
         """The replica a request is in flight on, or None."""

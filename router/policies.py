@@ -327,15 +327,13 @@ class PrefixAffinity(PredictedLength):
         # `prefill_tokens` per replica, inlined (it is asked of every replica), the same
         # product for every replica that holds none of the prompt
         prompt_len, block_size, weight = request.prompt_len, request.block_size, self.miss_weight
-        miss_all = weight * max(0, prompt_len)
-        scores = []
-        for v, p in zip(views, pending):
-            if not p <= bound:
-                scores.append(math.inf)
-                continue
-            held = matched.get(v.replica_id, 0)
-            scores.append(p + (weight * max(0, prompt_len - held * block_size) if held else miss_all))
-        return scores
+        miss_all, get = weight * max(0, prompt_len), matched.get
+        return [
+            p + (weight * max(0, prompt_len - held * block_size) if (held := get(v.replica_id, 0)) else miss_all)
+            if p <= bound
+            else math.inf
+            for v, p in zip(views, pending)
+        ]
 
     def dispatched(self, request: RouteRequest, replica_id: str, now: float) -> None:
         super().dispatched(request, replica_id, now)
@@ -402,7 +400,7 @@ class PrecisePrefix(PrefixAffinity):
     def choose(self, request: RouteRequest, views: list[ReplicaView]) -> tuple[int, list[float]]:
         scores = self.scores(request, views)
         matched = self._matched[1]  # what `scores` found: `matched_blocks` per replica, inlined
-        best = min(range(len(scores)), key=scores.__getitem__)
+        best = scores.index(min(scores))  # the first lowest (no score is NaN)
         depth = matched.get(views[best].replica_id, 0)
         bar = scores[best] + self.placement_slack
         near = [i for i, s in enumerate(scores) if s <= bar and matched.get(views[i].replica_id, 0) == depth]

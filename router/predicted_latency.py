@@ -1,3 +1,5 @@
+# Over 400 lines: the queue walk and the model that learns its corrections are one piece (the walk's
+# stretches of decode steps must add up as its single steps do, beside the steps they stand for).
 """The model behind the `predicted_latency` routing policy (`router.policies.PredictedLatency`), after
 llm-d's predicted-latency scorer: predict each replica's TTFT and TPOT for this request and send it
 where the TTFT is lowest among the replicas whose TPOT meets the SLO (all of them, if none does).
@@ -55,7 +57,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from protocol import defaults
 from protocol.cost import LinearCostModel, StepPricing
@@ -302,12 +304,28 @@ def _admitted(queue: list[_Row], slots: int, kv_tokens: int) -> list[_Row]:
     running: list[_Row] = []
     own = shared = 0.0
     for row in queue[:slots]:
-        need_own, need_shared = own + row.kv_need(), max(shared, row.shared)
+        need_own = own + (row.context - row.shared + row.prefill_left)  # its `kv_need`, inlined
+        need_shared = row.shared if row.shared > shared else shared
         if running and need_own + need_shared > kv_tokens:
             break
         running.append(row)
         own, shared = need_own, need_shared
     return running
+
+
+def _kv_steps(running: list[_Row], kv_tokens: int) -> float:
+    """Steps of decode alone (each row's K/V one token longer a step) that `running` stays the
+    rows `_admitted` takes: its checks, with every running row's need `j` tokens longer at the
+    j-th step, pass while `j` is at most the slack over the rows up to each, shared out."""
+    if not kv_tokens:
+        return math.inf
+    steps, own, shared = math.inf, 0.0, 0.0
+    for i, row in enumerate(running):
+        own += row.context - row.shared + row.prefill_left
+        shared = row.shared if row.shared > shared else shared
+        if i:
+            steps = min(steps, (kv_tokens - (own + shared)) // (i + 1) + 1)
+    return steps
 
 
 def _walk(pricing: StepPricing, slots: int, kv_tokens: int, rows: list[_Row], new: _Row) -> Prediction:
@@ -317,54 +335,111 @@ def _walk(pricing: StepPricing, slots: int, kv_tokens: int, rows: list[_Row], ne
     step that starts once it has reached the replica (its `ready`; `new` waits out the step in
     progress), and a replica with nothing to run waits for the next to reach it: a request sent
     after an idle report cannot have been running since. A row runs once it holds a slot and its
-    K/V fits the replica's `kv_tokens` (`_admitted`)."""
+    K/V fits the replica's `kv_tokens` (`_admitted`).
+
+    Steps that only decode, with no row arriving, ending or losing its K/V room, are run as one
+    stretch: their times are added one by one, as a step at a time would (the same sums in the
+    same order), and the rows' counts moved once at its end. `new` is always the last row of
+    the queue once it has joined (rows join in dispatch order; it is the last sent), so it runs
+    when the last running row is it."""
     cost, budget = pricing.cost, pricing.token_budget
+    c0, c_decode, c_prefill, c_ctx = cost.c0, cost.c_decode, cost.c_prefill, cost.c_ctx
+    overhead = pricing.loop_overhead
     age = new.ready
-    coming = deque([*(replace(r) for r in rows), new])  # dispatch order, so in order of arrival too
+    coming = deque([*(_Row(r.prefill_left, r.context, r.decode_left, r.shared, r.ready) for r in rows), new])
     full = new not in _admitted(list(coming), slots, kv_tokens)  # as reported, no room for it
     queue: list[_Row] = []
     elapsed, first_token, decoded = 0.0, None, 0
     joined = slotted = None
-    for _ in range(MAX_WALK_STEPS):
+    in_queue = False  # whether `new` is in the queue
+    done = False
+    it = 0
+    while it < MAX_WALK_STEPS:
+        it += 1
         if not queue:
             elapsed = max(elapsed, coming[0].ready)
         while coming and coming[0].ready <= elapsed:
             queue.append(coming.popleft())
             if queue[-1] is new:
-                joined = elapsed
-        running = _admitted(queue, slots, kv_tokens)
-        if slotted is None and new in running:
+                joined, in_queue = elapsed, True
+        running = queue[:slots] if not kv_tokens else _admitted(queue, slots, kv_tokens)
+        new_runs = bool(running) and running[-1] is new
+        if slotted is None and new_runs:
             slotted = elapsed
         decodes = [r for r in running if r.prefill_left <= 0]
-        left = math.inf if budget is None else float(budget - len(decodes))
-        context = sum(r.context + 1 for r in decodes)
-        chunks = []
-        for row in running:
-            if row.prefill_left > 0 and left > 0:
-                n = min(row.prefill_left, left)
-                context += n * row.context + n * (n + 1) / 2
-                left -= n
-                chunks.append((row, n))
-        prefill = sum(n for _, n in chunks)
-        step = cost.c0 + cost.c_decode * len(decodes) + cost.c_prefill * prefill + cost.c_ctx * context
-        elapsed += step
-        for row in decodes:
-            row.context += 1
-            row.decode_left -= 1
-        for row, n in chunks:
-            row.prefill_left -= n
-            row.context += n
-            if row.prefill_left <= 0:
-                row.decode_left -= 1  # the step that ends a prefill samples the first token
-        if new.prefill_left <= 0 and new in queue:
-            if first_token is None:
-                first_token = elapsed
+        least = min((r.decode_left for r in running), default=0.0)
+        if len(decodes) == len(running) and least > 0:
+            # decode alone: a stretch of steps while no row ends, arrives or loses its K/V room
+            span = MAX_WALK_STEPS - it + 1  # steps left within the walk's bound
+            if least < span:
+                span = math.ceil(least)  # the step after which the first row has made its output
+            span = min(span, _kv_steps(running, kv_tokens))
+            count = len(running)
+            context = sum(r.context + 1 for r in running)
+            fixed = c0 + c_decode * count + c_prefill * 0  # a step's price but its context, evaluated as a step's
+            arrives = coming[0].ready if coming else math.inf  # when the next row could join
+            j = 0
+            if not (new.prefill_left <= 0 and in_queue):  # `new` makes no token over the stretch
+                while True:
+                    elapsed += fixed + c_ctx * context
+                    j += 1
+                    elapsed += overhead
+                    if j >= span or (coming and arrives <= elapsed):
+                        break
+                    context += count
             else:
-                decoded += 1
-            if decoded >= TPOT_STEPS or new.decode_left <= 0:
+                new_left = new.decode_left
+                while True:
+                    elapsed += fixed + c_ctx * context
+                    j += 1
+                    if first_token is None:
+                        first_token = elapsed
+                    else:
+                        decoded += 1
+                    if decoded >= TPOT_STEPS or (new_left - j if new_runs else new_left) <= 0:
+                        done = True
+                        break
+                    elapsed += overhead
+                    if j >= span or (coming and arrives <= elapsed):
+                        break
+                    context += count
+            it += j - 1
+            for row in running:
+                row.context += j
+                row.decode_left -= j
+            if done:
                 break
-        elapsed += pricing.loop_overhead  # the serving loop's own work before the next step
+        else:
+            left = math.inf if budget is None else float(budget - len(decodes))
+            context = sum(r.context + 1 for r in decodes)
+            chunks = []
+            for row in running:
+                if row.prefill_left > 0 and left > 0:
+                    n = min(row.prefill_left, left)
+                    context += n * row.context + n * (n + 1) / 2
+                    left -= n
+                    chunks.append((row, n))
+            prefill = sum(n for _, n in chunks)
+            elapsed += c0 + c_decode * len(decodes) + c_prefill * prefill + c_ctx * context
+            for row in decodes:
+                row.context += 1
+                row.decode_left -= 1
+            for row, n in chunks:
+                row.prefill_left -= n
+                row.context += n
+                if row.prefill_left <= 0:
+                    row.decode_left -= 1  # the step that ends a prefill samples the first token
+            if new.prefill_left <= 0 and in_queue:
+                if first_token is None:
+                    first_token = elapsed
+                else:
+                    decoded += 1
+                if decoded >= TPOT_STEPS or new.decode_left <= 0:
+                    break
+            elapsed += overhead  # the serving loop's own work before the next step
         queue = [r for r in queue if r.decode_left > 0]
+        if in_queue and not new.decode_left > 0:
+            in_queue = False
     # on a replica whose slots (or K/V) were all held, the wait for one counts from now (its end is a
     # guess at the lengths ahead), even when a slot is predicted to free as it joins
     if joined is None:  # the walk's bound came before the report's age: it never joined

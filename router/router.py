@@ -74,6 +74,9 @@ class Router:
         self._decisions: deque[Decision] = deque(maxlen=max_decisions)
         self.decisions_dropped = 0
         self.routed = 0
+        # whether the decision being made chose among `load.routable_views`, all of them
+        # (`_choose`; a two-pool router's choose among a pool's)
+        self._every_routable = False
 
     @property
     def replica_ids(self) -> list[str]:
@@ -94,19 +97,30 @@ class Router:
             raise RoutingError(f"request {request.request_id!r} is already in flight on {owner!r}")
         now = self.clock.now()
         self._check_capacity()
+        self._every_routable = False
         policy, views, index, scores = self._choose(request, now)
         if not self.decision_figures and len(views) > 1:
             views, scores, index = [views[index]], [scores[index]], 0
         chosen = views[index].replica_id
-        ids = [v.replica_id for v in views]
+        signal_age = None
+        if self._every_routable:  # the views are `routable_views`: their ids, counts and oldest age are kept
+            ids, in_flight = self.load.routable.ordered_ids(), dict(self.load.routable_in_flight())
+            if policy.uses_load:
+                infinite = math.inf in scores or -math.inf in scores
+                signal_age = _oldest_signal(views, scores) if infinite else self.load.oldest_age
+        else:
+            ids = [v.replica_id for v in views]
+            in_flight = dict(zip(ids, [v.in_flight for v in views]))
+            if policy.uses_load:
+                signal_age = _oldest_signal(views, scores)
         decision = Decision(
             request_id=request.request_id,
             replica_id=chosen,
             time=now,
             policy=policy.name,
             scores=dict(zip(ids, scores)),
-            signal_age=_oldest_signal(views, scores) if policy.uses_load else None,
-            in_flight=dict(zip(ids, [v.in_flight for v in views])),
+            signal_age=signal_age,
+            in_flight=in_flight,
             predicted_ttft=_from_send(policy.predicted_ttft(chosen), request.waited(now)),
             believed_cached=policy.believed_cached(request, chosen),
         )
@@ -127,11 +141,13 @@ class Router:
         policy = self.policy
         if not policy.indexed:
             views = self.load.routable_views(now)
+            self._every_routable = self.decision_figures
             return policy, views, *policy.choose(request, views)
         index, looked = policy.choose_indexed(request, self.load.routable)
         if not self.decision_figures:
             return policy, [self.load.view(self.load.routable.replica_at(index), now)], 0, [looked[index]]
         views = self.load.routable_views(now)
+        self._every_routable = True
         return policy, views, index, policy.indexed_scores(views, looked, self.load.routable)
 
     def _check_capacity(self) -> None:

@@ -111,11 +111,8 @@ class WorkLedger:
 
     def scores(self, views: list[ReplicaView]) -> list[float]:
         """`score` of each view (the kept ones looked up here, without a call each)."""
-        scored, out = self._scored, []
-        for view in views:
-            kept = scored.get(view.replica_id)
-            out.append(kept[1] if kept is not None and kept[0] is view.report else self.score(view))
-        return out
+        get, score = self._scored.get, self.score
+        return [kept[1] if (kept := get(v.replica_id)) is not None and kept[0] is v.report else score(v) for v in views]
 
     def score(self, view: ReplicaView) -> float:
         """What `least_work` minimises: the pending work plus the wait for a slot, a decode step
@@ -124,9 +121,19 @@ class WorkLedger:
         reads the replica's reservations and last report alone, so the score is kept until
         either changes (a report is a frozen object: the same object, the same figures)."""
         scored = self._scored.get(view.replica_id)
-        if scored is not None and scored[0] is view.report:
+        report = view.report
+        if scored is not None and scored[0] is report:
             return scored[1]
-        left = self.decode_left(view)
-        score = self.prefill_pending(view) + self.decode_weight * (sum(left) + self.slot_wait(view, left))
-        self._scored[view.replica_id] = (view.report, score)
+        held = self._by_replica.get(view.replica_id)
+        if not held or report is None:
+            left, prefill = self.decode_left(view), self.prefill_pending(view)
+        else:  # `decode_left` and `prefill_pending` in one pass over the reservations
+            listed, taken, extra, left = report.tokens_made, report.time, 0, []
+            for request_id, r in held.items():
+                if r.time > taken or request_id not in listed:
+                    extra += r.prefill
+                left.append(max(0.0, r.decode - listed.get(request_id, 0)))
+            prefill = report.prefill_tokens_pending + extra
+        score = prefill + self.decode_weight * (sum(left) + self.slot_wait(view, left))
+        self._scored[view.replica_id] = (report, score)
         return score

@@ -21,8 +21,9 @@ class EveryView(Router):
     """A router whose policy scores every routable replica's view (`Router._choose` overridden,
     as a two-pool router overrides it), the path every policy took before the index."""
 
-    def _choose(self, request, views):
-        return super()._choose(request, views)
+    def _choose(self, request, now):
+        views = self.load.routable_views(now)
+        return self.policy, views, *self.policy.choose(request, views)
 
 
 def reference_routable(router: Router, now: float) -> list[ReplicaView]:
