@@ -168,7 +168,7 @@ def slotserve_runs(args) -> dict:
 
     from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
     from cluster.http.ingress_actor import IngressConfig, start_ingresses, stop_ingresses
-    from cluster.http.server import open_run
+    from cluster.http.server import open_run, replica_info
 
     spec = ClusterSpec(
         num_replicas=args.replicas,
@@ -179,7 +179,7 @@ def slotserve_runs(args) -> dict:
         max_in_flight_per_replica=1024,
     )
     deployment = start_cluster(spec)
-    recorder = open_run(deployment, "front-door", {})
+    recorder = open_run(deployment, replica_info(deployment), "front-door", {})
     port = free_port()
     config = IngressConfig(port=port, served_name=MODEL, run_id=recorder.run_id, routing=args.ingress_routing)
     ingresses = start_ingresses(config, args.ingress_replicas)
@@ -188,10 +188,10 @@ def slotserve_runs(args) -> dict:
         router = [ray.get(deployment.router.__ray_call__.remote(lambda _: os.getpid()))]
         url = f"http://127.0.0.1:{port}/v1/completions"
         runs = http_runs(args, url)
+        before = {name: cpu_seconds(pids) for name, pids in (("ingress", ingress_pids), ("router", router))}
+        run = loadgen(url, body(args.tokens, False), args.seconds, concurrency=64)
         for name, pids in (("ingress", ingress_pids), ("router", router)):
-            before = cpu_seconds(pids)
-            run = loadgen(url, body(args.tokens, False), args.seconds, concurrency=64)
-            runs[f"{name}_cpu_s_per_request"] = (cpu_seconds(pids) - before) / max(1, run["answered"])
+            runs[f"{name}_cpu_s_per_request"] = (cpu_seconds(pids) - before[name]) / max(1, run["answered"])
         gcs = ray.get_runtime_context().gcs_address
         runs["python"] = {
             c: json.loads(
@@ -300,7 +300,7 @@ def row(name: str, ours: dict, peer: dict | None, ceiling_rps: float) -> str:
 
 
 def report(args, top: dict, ours: dict, serve: dict | None, alone: float) -> None:
-    print(f"\nmachine: {cpu_info().describe()}, {os.cpu_count()} cores")
+    print(f"\nmachine: {cpu_info().describe()}")
     print(
         f"{args.replicas} fake replicas ({args.step * 1000:g} ms steps), {args.tokens}-token completions, "
         f"{args.ingress_replicas} ingress process(es) routing via {args.ingress_routing} ({args.routing}), "

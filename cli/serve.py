@@ -20,11 +20,9 @@ API_KEY_ENV = "SLOTSERVE_API_KEY"
 
 
 def run(args: argparse.Namespace) -> int:
-    import ray
-
     from cluster.deploy import ensure_ray, find_cluster, start_cluster
     from cluster.http.ingress_actor import IngressConfig, start_ingresses, stop_ingresses
-    from cluster.http.server import open_run
+    from cluster.http.server import open_run, replica_info
 
     ensure_ray(args.address, start_local=False)
     if common.running_cluster(args.address):
@@ -35,8 +33,8 @@ def run(args: argparse.Namespace) -> int:
         model = common.model_label(spec.replica)
         print(f"starting {spec.num_replicas} replicas ({model}) and the router ({spec.routing_policy}) ...", flush=True)
         deployment = start_cluster(spec)
-    recorder = open_run(deployment, args.run_name, {"host": args.host, "port": args.port})
-    info = ray.get(next(iter(deployment.replicas.values())).info.remote(), timeout=60)
+    info = replica_info(deployment)
+    recorder = open_run(deployment, info, args.run_name, {"host": args.host, "port": args.port})
     config = IngressConfig(
         host=args.host,
         port=args.port,

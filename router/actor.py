@@ -65,7 +65,6 @@ from protocol.replicas import Unreachable
 from protocol.routing import RouteRequest, RouterView
 from protocol.scaling import ArrivalWindow, ScalingView
 from protocol.telemetry_hooks import RouterTelemetry
-from router.block_index import kv_catch_up
 from router.pd_router import PdPools, PdRouter
 from router.policies import DEFAULT_POLICY
 from router.router import Router
@@ -192,7 +191,7 @@ class RouterActor:
         kv_next = kv_next or {}
         kv_events = {}
         for replica_id, log in self._kv_log.items():
-            batches = kv_catch_up(log, kv_next.get(replica_id), self._router.block_index.snapshot(replica_id))
+            batches = self._router.block_index.catch_up(replica_id, log, kv_next.get(replica_id))
             if batches:
                 kv_events[replica_id] = batches
         return RouterView(self._router.load.last_reports(), dict(self._router.down), tuple(self._handles), kv_events)

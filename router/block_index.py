@@ -20,8 +20,7 @@ used as a bitmask over the replicas (one bit each), not a set per block.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from protocol.messages import KvEvents
 from router.errors import RoutingError
@@ -87,6 +86,22 @@ class BlockIndex:
         if expected is None:
             return None
         return KvEvents(expected - 1, list(self._blocks.get(replica_id, {})), reset=True)
+
+    def catch_up(self, replica_id: str, log: Iterable[KvEvents], expected: int | None) -> list[KvEvents]:
+        """The batches another index expecting the replica's batch number `expected` (None: it
+        has none yet) needs to hold what this one holds: those of `log` (the replica's recent
+        batches, as they came) it has not seen, when they follow on from what it has; else (the
+        log no longer reaches back that far) this index's `snapshot` of the replica and the
+        batches after it. The snapshot is taken only then: it copies every block held."""
+        batches = sorted(log, key=lambda b: b.seq)
+        if expected is not None:
+            newer = [b for b in batches if b.seq >= expected]
+            if all(b.seq == expected + i for i, b in enumerate(newer)):
+                return newer
+        snapshot = self.snapshot(replica_id)
+        if snapshot is None or (expected is not None and expected > snapshot.seq):
+            return []
+        return [snapshot, *(b for b in batches if b.seq > snapshot.seq)]
 
     def take_snapshot_requests(self) -> list[str]:
         """Replicas to ask for a snapshot (each once, until its snapshot comes)."""
@@ -263,18 +278,3 @@ class InFlightBlocks:
 
     def __len__(self) -> int:
         return len(self._requests)
-
-
-def kv_catch_up(log: deque[KvEvents], expected: int | None, snapshot: KvEvents | None) -> list[KvEvents]:
-    """The batches an index expecting batch number `expected` (None: it has none yet) needs to
-    catch up: those of the log it has not seen, when they follow on from what it has; else (the
-    log no longer reaches back that far) the router's own index of the replica, `snapshot`, and
-    the batches after it."""
-    batches = sorted(log, key=lambda b: b.seq)
-    if expected is not None:
-        newer = [b for b in batches if b.seq >= expected]
-        if all(b.seq == expected + i for i, b in enumerate(newer)):
-            return newer
-    if snapshot is None or (expected is not None and expected > snapshot.seq):
-        return []
-    return [snapshot, *(b for b in batches if b.seq > snapshot.seq)]

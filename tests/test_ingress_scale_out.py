@@ -14,7 +14,7 @@ import ray
 
 from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
 from cluster.http.ingress_actor import IngressConfig, start_ingresses, stop_ingresses
-from cluster.http.server import open_run
+from cluster.http.server import open_run, replica_info
 from metrics.store import MetricsStore
 from replica import EngineConfig
 from replica.serving.loop import ReplicaConfig
@@ -46,9 +46,10 @@ def running(deployment) -> int:
     return sum(i.load.running + i.load.queue_depth for i in infos)
 
 
-async def stream(url: str, i: int) -> str:
+async def stream(url: str, i: int, under_way: list[int] | None = None) -> str:
     """One streamed completion on a connection of its own: "whole" (every token and [DONE]),
-    "refused" (no connection), or "cut" (the connection broke mid-answer)."""
+    "refused" (no connection), or "cut" (the connection broke mid-answer). Its index joins
+    `under_way` once its first tokens are in."""
     body = {"model": MODEL, "prompt": [1 + i % 50, 2], "max_tokens": TOKENS, "ignore_eos": True, "stream": True}
     body["return_token_ids"] = True
     tokens, done = 0, False
@@ -60,6 +61,8 @@ async def stream(url: str, i: int) -> str:
                     done = True
                 elif line.startswith("data: "):
                     tokens += len(json.loads(line[6:])["choices"][0]["token_ids"])
+                    if under_way is not None and i not in under_way:
+                        under_way.append(i)
     except httpx.ConnectError:
         return "refused"
     except (httpx.RemoteProtocolError, httpx.ReadError):
@@ -70,7 +73,7 @@ async def stream(url: str, i: int) -> str:
 
 def test_two_ingresses_share_one_port_and_record_into_one_run(cluster):
     deployment, store_path = cluster
-    recorder = open_run(deployment, "two-ingresses", {})
+    recorder = open_run(deployment, replica_info(deployment), "two-ingresses", {})
     port = free_port()
     ingresses = start_ingresses(IngressConfig(port=port, served_name=MODEL, run_id=recorder.run_id), 2)
     try:
@@ -97,7 +100,7 @@ def test_a_killed_ingress_cuts_only_its_own_callers_and_comes_back(cluster):
     answer), the other ingress's callers get every token, Ray restarts it on the same port,
     and no request is left running on the replicas."""
     deployment, _ = cluster
-    recorder = open_run(deployment, "ingress-kill", {})
+    recorder = open_run(deployment, replica_info(deployment), "ingress-kill", {})
     port = free_port()
     ingresses = start_ingresses(IngressConfig(port=port, served_name=MODEL, run_id=recorder.run_id), 2)
     victim = ingresses["slotserve-ingress-0"]
@@ -105,8 +108,9 @@ def test_a_killed_ingress_cuts_only_its_own_callers_and_comes_back(cluster):
     try:
 
         async def kill_mid_stream() -> list[str]:
-            calls = asyncio.gather(*[stream(url, i) for i in range(32)])
-            await asyncio.sleep(0.4)
+            under_way: list[int] = []
+            calls = asyncio.gather(*[stream(url, i, under_way) for i in range(32)])
+            await asyncio.to_thread(wait_until, lambda: len(under_way) >= 16, 60, "16 streams to be under way")
             ray.kill(victim, no_restart=False)
             return await calls
 

@@ -13,7 +13,7 @@ from protocol.messages import KvEvents
 from replica.config import EngineConfig
 from replica.errors import ConfigError
 from replica.model.fake import FlatCostModel
-from router.block_index import BlockIndex, kv_catch_up
+from router.block_index import BlockIndex
 from sim.autoscaling import AutoscalingSimulator
 from sim.cost_model import FittedCostModel
 from sim.disaggregation import PdSimulator, SimPools
@@ -89,7 +89,7 @@ def test_simulators_of_one_router_refuse_several():
 
 
 def test_a_client_routing_locally_catches_up_on_kv_events_from_the_log_or_from_a_snapshot():
-    """`kv_catch_up` (the router actor's answer to a local router's sync) leaves the client's
+    """`BlockIndex.catch_up` (the router actor's answer to a local router's sync) leaves the client's
     block index holding what the actor's holds: from the batches it missed while they are in
     the log, from the actor's snapshot once they fell out of it or when it has none yet."""
     actor, log = BlockIndex(), deque(maxlen=4)
@@ -99,7 +99,7 @@ def test_a_client_routing_locally_catches_up_on_kv_events_from_the_log_or_from_a
         log.append(events)
 
     def synced(client: BlockIndex) -> None:
-        for batch in kv_catch_up(log, client.next_seq("r0"), actor.snapshot("r0")):
+        for batch in actor.catch_up("r0", log, client.next_seq("r0")):
             client.apply("r0", batch)
         assert client.next_seq("r0") == actor.next_seq("r0")
         assert {h for h in range(100) if client.holds("r0", h)} == {h for h in range(100) if actor.holds("r0", h)}
@@ -109,10 +109,10 @@ def test_a_client_routing_locally_catches_up_on_kv_events_from_the_log_or_from_a
     synced(client)  # none yet: the snapshot
     send(KvEvents(1, [4], [1]))
     send(KvEvents(2, [5]))
-    assert [b.seq for b in kv_catch_up(log, client.next_seq("r0"), actor.snapshot("r0"))] == [1, 2]
+    assert [b.seq for b in actor.catch_up("r0", log, client.next_seq("r0"))] == [1, 2]
     synced(client)  # from the log
-    assert kv_catch_up(log, client.next_seq("r0"), actor.snapshot("r0")) == []  # up to date: nothing sent
+    assert actor.catch_up("r0", log, client.next_seq("r0")) == []  # up to date: nothing sent
     for seq in range(3, 9):  # more than the log holds
         send(KvEvents(seq, [10 + seq], [seq + 1]))
-    assert kv_catch_up(log, client.next_seq("r0"), actor.snapshot("r0"))[0].reset
+    assert actor.catch_up("r0", log, client.next_seq("r0"))[0].reset
     synced(client)  # from the actor's snapshot

@@ -24,7 +24,7 @@ from cluster.connection import NAMESPACE
 from cluster.deploy import find_cluster
 from cluster.http.ingress import Ingress
 from cluster.http.recorder import RunRecorder
-from cluster.http.server import http_server, listening_socket, serve_http, served_model
+from cluster.http.server import http_server, listening_socket, replica_info, serve_http, served_model
 
 INGRESS_ACTOR_PREFIX = "slotserve-ingress"
 START_TIMEOUT = 120.0  # seconds an ingress gets to load its tokenizer and listen
@@ -60,7 +60,7 @@ class IngressActor:
 
         self.name = name
         deployment = find_cluster()
-        model, _ = served_model(list(deployment.replicas.values()), config.served_name)
+        model = served_model(replica_info(deployment), config.served_name)
         recorder = RunRecorder(deployment.store, [], config.run_id)
         self.ingress = Ingress(Client(routing=config.routing), model, recorder)
         self.server = http_server(self.ingress, config.host, config.port, config.api_key)

@@ -13,6 +13,7 @@ import ray
 from cluster.client import Client
 from cluster.http.ingress import Ingress, ServedModel
 from cluster.http.recorder import RunRecorder
+from protocol.replicas import ReplicaInfo
 
 
 def load_tokenizer(model: str):
@@ -25,18 +26,21 @@ def load_tokenizer(model: str):
     return AutoTokenizer.from_pretrained(resolve_model_dir(model) or default_model_dir())
 
 
-def served_model(replicas: list, served_name: str | None = None) -> tuple[ServedModel, dict]:
-    """What clients see of the replicas' model, and one replica's config (for the run's record)."""
-    info = ray.get(replicas[0].info.remote(), timeout=60)
+def replica_info(deployment) -> ReplicaInfo:
+    """One replica's answer about itself: every replica of a cluster serves the same model."""
+    return ray.get(next(iter(deployment.replicas.values())).info.remote(), timeout=60)
+
+
+def served_model(info: ReplicaInfo, served_name: str | None = None) -> ServedModel:
+    """What clients see of the replicas' model."""
     tokenizer = None if info.fake else load_tokenizer(info.model)
-    return ServedModel(served_name or info.model, tokenizer, info.max_request_tokens, int(time.time())), info.config
+    return ServedModel(served_name or info.model, tokenizer, info.max_request_tokens, int(time.time()))
 
 
-def open_run(deployment, name: str, config: dict) -> RunRecorder:
+def open_run(deployment, info: ReplicaInfo, name: str, config: dict) -> RunRecorder:
     """A new run in the store for HTTP traffic, the router and replicas tagging their records
     with it (the caller closes it with `recorder.close()`)."""
     replicas = list(deployment.replicas.values())
-    info = ray.get(replicas[0].info.remote(), timeout=60)
     routing = ray.get(deployment.router.status.remote(), timeout=60).get("policy", "unknown")
     run_config = {**config, "ingress": "http", "replica": info.config}
     return RunRecorder.open(deployment.store, deployment.router, replicas, name, run_config, info.policy, routing, 0)
@@ -45,8 +49,8 @@ def open_run(deployment, name: str, config: dict) -> RunRecorder:
 def build_ingress(deployment, served_name: str | None = None, run_name: str = "serve", config: dict | None = None):
     """An ingress of a running cluster in this process, recording a new run (closed by
     `serve_http` when the server stops)."""
-    model, _ = served_model(list(deployment.replicas.values()), served_name)
-    return Ingress(Client(), model, open_run(deployment, run_name, config or {}))
+    info = replica_info(deployment)
+    return Ingress(Client(), served_model(info, served_name), open_run(deployment, info, run_name, config or {}))
 
 
 def listening_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
@@ -57,7 +61,6 @@ def listening_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.set_inheritable(True)
     return sock
 
 
