@@ -25,3 +25,9 @@ TOKEN_BUDGET = 256  # `chunked`: tokens per step, decodes first, then prefill ch
 TPOT_SLO = 0.25
 
 MAX_IN_FLIGHT_PER_REPLICA = 512  # the router's bound per replica; past it on every replica: overloaded
+
+# Flow control (`protocol.flow`): a request's class when it names none. Priority 0 is the most
+# urgent of the default bands (lower is served first, as vLLM's `priority` field); a request
+# that names no tenant (no API key's tenant, no `user`) is the default tenant's.
+PRIORITY = 0
+TENANT = "default"

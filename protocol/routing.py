@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protocol import defaults
+from protocol.errors import OverloadedError
 from protocol.messages import KvEvents, LoadReport
+from protocol.records import Decision
 
 
 @dataclass(frozen=True)
@@ -17,7 +19,10 @@ class RouteRequest:
     the request is being moved off (lost or draining), whose place is released first.
     `sent_at`: when the client sent it, on the router's clock (wall time on a cluster; None: not
     told), where the TTFT a replica reports starts: what it waited before the router saw it is
-    part of that TTFT and of no replica's queue."""
+    part of that TTFT and of no replica's queue. `priority` and `tenant` are its class for flow
+    control (`protocol.flow`): a lower priority is served first, as vLLM's `priority` field is;
+    `deadline`, on the router's clock, is when a request still held for dispatch is refused
+    rather than served late (None: it waits as long as its band allows)."""
 
     request_id: str
     prompt_len: int
@@ -27,6 +32,9 @@ class RouteRequest:
     block_size: int = defaults.BLOCK_SIZE
     moved_from: str | None = None
     sent_at: float | None = None
+    priority: int = defaults.PRIORITY
+    tenant: str = defaults.TENANT
+    deadline: float | None = None
 
     def waited(self, now: float) -> float:
         """Seconds from the client's send to `now` on the router's clock (0 when not told; never
@@ -46,3 +54,19 @@ class RouterView:
     # Per replica, the K/V event batches the client's block index has not seen, in order (a
     # snapshot first, `reset`, when it is too far behind): a precise prefix index in every client.
     kv_events: dict[str, list[KvEvents]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Released:
+    """A request flow control held (`Router.submit` answered None) that has since left the
+    queue: dispatched, with its `decision`, or refused, with its `refusal` (its deadline or its
+    band's `max_wait` passed, or it was shed past `max_held`; `retry_after` from the queue's
+    drain rate). Exactly one of the two is set."""
+
+    request_id: str
+    decision: Decision | None = None
+    refusal: OverloadedError | None = None
+
+    def __post_init__(self) -> None:
+        if (self.decision is None) == (self.refusal is None):
+            raise ValueError(f"released request {self.request_id!r} needs exactly one of a decision and a refusal")

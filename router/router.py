@@ -10,7 +10,14 @@ OverloadedError whose retry-after is the time the recent completion rate needs t
 A decision costs O(log n) in the replicas when the policy chooses from the load view's index of
 routable replicas (`RoutingPolicy.indexed`: `least_loaded`, `power_of_two`) and the router keeps
 no per-replica figures (`decision_figures=False`, what a simulated day on hundreds of replicas
-asks for); otherwise building every replica's view and figures makes it O(n)."""
+asks for); otherwise building every replica's view and figures makes it O(n).
+
+With a flow-control config (`Router(flow=)`, `protocol.flow`) callers place requests with
+`submit`, not `route`: it admits the request (its priority band, its tenant's limits) and routes
+it at once unless every replica is saturated, when it holds it (`router.flow_control`). Whenever
+the view changes (a report, a completion, a replica up) and on `tick` (deadlines) the router
+releases what it can; `take_released` hands over what left the queues since. Without a config,
+and with policy "fcfs", nothing is ever held."""
 
 from __future__ import annotations
 
@@ -21,12 +28,14 @@ from dataclasses import asdict
 from protocol import defaults
 from protocol.clock import Clock, WallClock
 from protocol.errors import OverloadedError
+from protocol.flow import FlowConfig
 from protocol.messages import LoadReport
 from protocol.rates import CompletionRate
 from protocol.records import Decision
-from protocol.routing import RouteRequest
+from protocol.routing import Released, RouteRequest
 from router.block_index import BlockIndex
 from router.errors import RoutingError
+from router.flow_control import FlowController, make_flow_controller, replica_saturated
 from router.load import LoadView, ReplicaView
 from router.policies import DEFAULT_POLICY, RoutingPolicy, make_routing_policy
 
@@ -43,6 +52,7 @@ class Router:
         max_in_flight: int | None = None,
         tpot_slo: float = defaults.TPOT_SLO,
         decision_figures: bool = True,
+        flow: FlowConfig | None = None,
     ):
         """`max_decisions` bounds the undrained decision log; past it the oldest are dropped
         and counted in `decisions_dropped`. `max_in_flight` defaults to
@@ -50,7 +60,8 @@ class Router:
         the run is judged by, which a policy that predicts TPOT routes within.
         `decision_figures=False`: a decision's `scores` and `in_flight` hold the chosen
         replica's figures alone, and its `signal_age` is that replica's report age (for a
-        caller that keeps no decisions; the choices are the same)."""
+        caller that keeps no decisions; the choices are the same). `flow`: flow control (see
+        the module docstring; None: none)."""
         if not replica_ids:
             raise RoutingError("a router needs at least one replica; got none")
         if max_in_flight_per_replica < 1 or (max_in_flight is not None and max_in_flight < 1):
@@ -77,6 +88,8 @@ class Router:
         # whether the decision being made chose among `load.routable_views`, all of them
         # (`_choose`; a two-pool router's choose among a pool's)
         self._every_routable = False
+        self.flow: FlowController | None = None if flow is None else make_flow_controller(flow, self.clock)
+        self._released: list[Released] = []
 
     @property
     def replica_ids(self) -> list[str]:
@@ -132,6 +145,57 @@ class Router:
         self.routed += 1
         return decision
 
+    def submit(self, request: RouteRequest) -> Decision | None:
+        """Place a request under flow control: its decision, or None while it is held (its
+        decision or refusal comes later, from `take_released`). Raises UnknownPriorityError for
+        a band not configured, and OverloadedError for a tenant over a limit or, as `route`
+        does, where no replica can take it; without flow control it is `route`."""
+        flow = self.flow
+        if flow is None:
+            return self.route(request)
+        flow.admit(request)
+        if not flow.holds(self._saturated()):
+            return self._dispatch(request)
+        self._released += flow.hold(request)
+        self._release()
+        return None
+
+    def take_released(self) -> list[Released]:
+        """The held requests dispatched or refused since the last call, in that order."""
+        released, self._released = self._released, []
+        return released
+
+    def tick(self) -> None:
+        """Refuse held requests whose deadline has come, and release what the view allows."""
+        if self.flow is not None and self.flow.num_held:
+            self._release()
+
+    def next_tick(self) -> float | None:
+        """When `tick` next has a deadline to refuse (None: none held has one)."""
+        return None if self.flow is None else self.flow.next_expiry()
+
+    def _dispatch(self, request: RouteRequest) -> Decision:
+        decision = self.route(request)
+        self.flow.dispatched(request)
+        return decision
+
+    def _release(self) -> None:
+        """Refuse the expired, then dispatch held requests in the policy's order while some
+        replica is not saturated."""
+        flow = self.flow
+        self._released += flow.expire()
+        while flow.num_held and not self._saturated():
+            request = flow.pop_next()
+            self._released.append(Released(request.request_id, decision=self._dispatch(request)))
+
+    def _saturated(self) -> bool:
+        """Every routable replica is saturated (`protocol.flow.SaturationConfig`), or none is
+        routable, or the router's own bound on requests in flight is reached."""
+        if not len(self.load.routable) or self.load.up_in_flight >= self.max_in_flight:
+            return True
+        config, now = self.flow.config.saturation, self.clock.now()
+        return all(replica_saturated(view, config) for view in self.load.routable_views(now))
+
     def _choose(self, request: RouteRequest, now: float) -> tuple[RoutingPolicy, list[ReplicaView], int, list[float]]:
         """The policy that chose, the replicas it chose among, the index of its choice and its
         scores: here the one policy over every routable replica (a two-pool router picks a pool
@@ -180,12 +244,18 @@ class Router:
         forgotten (their clients move them) and returned."""
         self.load.set_down(replica_id, True)
         self.down[replica_id] = reason
-        return self.load.forget_in_flight(replica_id)
+        lost = self.load.forget_in_flight(replica_id)
+        if self.flow is not None:
+            for request_id in lost:  # charged as dispatched: what it made there was served
+                self.flow.completed(request_id, None)
+        return lost
 
     def mark_up(self, replica_id: str) -> bool:
         """Route to the replica again (a health check passed); returns whether it was down."""
         self.load.set_down(replica_id, False)
-        return self.down.pop(replica_id, None) is not None
+        was_down = self.down.pop(replica_id, None) is not None
+        self.tick()
+        return was_down
 
     def set_policy(self, policy: str, tpot_slo: float | None = None) -> None:
         """Route with another policy from now on (a fresh one, seeded as at construction), within
@@ -208,6 +278,9 @@ class Router:
         done = self.load.completed(request_id, replica_id)
         if done:
             self._completions.add(self.clock.now())
+            if self.flow is not None:
+                self.flow.completed(request_id, output_len)
+                self.tick()
         return done
 
     def report(self, load: LoadReport) -> bool:
@@ -219,6 +292,7 @@ class Router:
         kept = self.load.update(load)
         if kept:
             self.policy.reported(load)
+            self.tick()
         return kept
 
     def drain_decisions(self) -> list[Decision]:
@@ -238,7 +312,9 @@ class Router:
 
     def status(self) -> dict:
         views = self.load.views(self.clock.now())
+        flow = {} if self.flow is None else {"flow": self.flow.status()}
         return {
+            **flow,
             "policy": self.policy.name,
             "tpot_slo": self.tpot_slo,
             "routed": self.routed,
