@@ -156,7 +156,8 @@ class SimulatedBackend:
         self.plan, self.store = plan, store
         self.vocab_size: int | None = None  # the simulated model's vocabulary, read when capacity is measured
 
-    def _config(self, cell: Cell, routing: str, seed: int, replicas: int | None = None):
+    def _config(self, cell: Cell, routing: str, seed: int, replicas: int | None = None, flow: bool = True):
+        """The cell's simulation (`flow=False`: without its flow control, as capacity is measured)."""
         from sim.simulator import SimulationConfig
 
         return SimulationConfig(
@@ -169,12 +170,13 @@ class SimulatedBackend:
             dispatch_delay=self.plan.experiment.cluster.dispatch_delay,
             submit_interval=self.plan.experiment.cluster.submit_interval,
             slo=experiment_slo(self.plan),
+            flow=self.plan.flow(cell) if flow else None,
         )
 
     def capacity(self, cell: Cell) -> Capacity:
         from sim.simulator import measure_capacity as simulated_capacity
 
-        config = self._config(cell, DEFAULT_POLICY, 0)
+        config = self._config(cell, DEFAULT_POLICY, 0, flow=False)
         self.vocab_size = config.vocab_size
         return simulated_capacity(config, self.plan.cost)
 
@@ -256,7 +258,8 @@ class RayBackend:
         replicas = replicas or c.replicas
         pools = self.plan.pools(cell)
         prefill = 0 if pools is None else pools.prefill_replicas
-        wanted = (cell.batching, cell.slots, cell.token_budget, replicas, prefill)
+        flow = self.plan.flow(cell)
+        wanted = (cell.batching, cell.slots, cell.token_budget, replicas, prefill, flow)
         if self.deployed != wanted or autoscale is not None:
             self.close()
             spec = ClusterSpec(
@@ -275,6 +278,7 @@ class RayBackend:
                 pd_decider=c.pd_decider,
                 pd_threshold=c.pd_threshold,
                 kv_link=SAME_NODE if pools is None else pools.link,
+                flow=flow,
             )
             self.deployment = start_cluster(spec)
             self.deployed = None if autoscale is not None else wanted  # an autoscaled one changes size

@@ -5,9 +5,10 @@ the command, the machine, the run ids and the plots, in one folder.
 Every figure comes from `metrics.goodput_report.analyze` of the stored runs (the docs/ARCHITECTURE.md metrics,
 for the whole cluster), so the report says what `slotserve report RUN` says about each run.
 
-Where cells size their cluster differently (`sweep.autoscale`, `[cluster] autoscale`), rows also
-give what the cluster cost, and the best autoscaling policy is set against static provisioning
-(`experiments.scaling_report`)."""
+Where requests come in several classes (priority bands, tenants), the report splits each row
+by them (`experiments.flow_report`). Where cells size their cluster differently
+(`sweep.autoscale`, `[cluster] autoscale`), rows also give what the cluster cost, and the best
+autoscaling policy is set against static provisioning (`experiments.scaling_report`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.serve_baseline import SERVE_ROUTERS
+from experiments.flow_report import by_class
 from experiments.plan import AXES, Cell
 from experiments.pools_report import against_colocated
 from experiments.report_plots import SPREAD_NOTE, plot_rows
@@ -238,7 +240,7 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
         store.close()
     c, slo = experiment.cluster, experiment.slo
     serve, ceilings, static = against_serve(rows), prefix_ceilings(result, rows), against_static(result, rows)
-    colocated = against_colocated(result, rows)
+    colocated, classes = against_colocated(result, rows), by_class(result, rows)
     if c.model != "fake":
         model = c.model
     elif c.fake_step_seconds is not None:
@@ -293,6 +295,7 @@ def write_report(result: ExperimentResult, rows: list[SummaryRow], out: Path, co
         *(["## Autoscaling against static provisioning", "", *[f"- {x}" for x in static], ""] if static else []),
         *(["## Prefix cache against the best possible", "", *[f"- {x}" for x in ceilings], ""] if ceilings else []),
         *(["## Colocated against disaggregated", "", *[f"- {x}" for x in colocated], ""] if colocated else []),
+        *(["## By class and tenant", "", *classes, ""] if classes else []),
         "## Runs",
         "",
         "| row | run ids |",

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFlo
 
 from autoscaling.policies import AutoscaleConfig
 from cluster.serve_baseline import SERVE_POLICY, SERVE_ROUTERS
+from protocol.flow import FlowConfig
 from protocol.registry import Registry, UnknownChoiceError
 from replica.config import EngineConfig
 from replica.errors import ConfigError
@@ -45,6 +46,7 @@ AXES = (
     "slots",
     "scaling",
     "pools",
+    "flow",
 )  # a table row's key: a cell without its seed
 
 
@@ -59,6 +61,7 @@ class Cell:
     workload: str = ""  # one of sweep.workload's argument sets, as "k=v k=v" ("": the workload as given)
     scaling: str = ""  # one of sweep.autoscale's entries, by its label ("": [cluster] replicas or autoscale)
     pools: str = ""  # one of sweep.pools' "P:D" splits ("": [cluster] prefill_replicas and decode_replicas)
+    flow: str = ""  # one of sweep.flow's policies ("": the [flow] table's, or no flow control)
 
     @property
     def deployment(self) -> tuple:
@@ -74,6 +77,7 @@ class Cell:
         parts = [self.workload] if self.workload else []
         parts += [f"{self.batching}/{self.routing}"] + ([self.scaling] if self.scaling else [])
         parts += [f"pools={self.pools}"] if self.pools else []
+        parts += [f"flow={self.flow}"] if self.flow else []
         parts += [f"{a}={getattr(self, a)}" for a in ("load", "token_budget") if getattr(self, a) is not None]
         return " ".join(parts + [f"slots={self.slots}", f"seed={self.seed}"])
 
@@ -144,6 +148,14 @@ class Plan:
         link = KV_LINKS[c.kv_link] if isinstance(c.kv_link, str) else c.kv_link
         return SimPools(prefill_replicas=prefill, decider=c.pd_decider, threshold=c.pd_threshold, link=link)
 
+    def flow(self, cell: Cell) -> FlowConfig | None:
+        """The cell's flow control: the [flow] table with the cell's policy (None: none, and
+        always for Ray Serve's routers, which have none: the peer without flow control)."""
+        base = self.experiment.flow
+        if not cell.flow:
+            return None if cell.routing in SERVE_ROUTERS else base
+        return (base or FlowConfig()).model_copy(update={"policy": cell.flow})
+
     def engine_config(self, cell: Cell) -> EngineConfig:
         c = self.experiment.cluster
         model = {} if c.model == "fake" else {"model": c.model}
@@ -200,7 +212,8 @@ def plan_experiment(
         for budget, routing, load, scaling, pools, seed in itertools.product(
             budgets, sweep.routing, sweep.load or [None], scalings, sweep.pools or [""], sweep.seeds
         ):
-            cells.append(Cell(batching, routing, load, budget, slots, seed, name, scaling, pools))
+            flows = [""] if routing in SERVE_ROUTERS else sweep.flow or [""]  # Serve has no flow control
+            cells += [Cell(batching, routing, load, budget, slots, seed, name, scaling, pools, f) for f in flows]
     runnable = [cell for cell in cells if not _serve_unscalable(cell, scalings)]
     plan = Plan(experiment, runnable, workload_args=variants, scalings=scalings, cold_start_s=cold_start_s)
     plan.serve_unscalable, cells = len(cells) - len(runnable), runnable

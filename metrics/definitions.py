@@ -38,6 +38,8 @@ class RequestTrace:
     planned_arrival: float | None = None  # when the workload meant it to arrive (None: at `arrival`)
     submit_lateness: float = 0.0  # how late the driver submitted it against `planned_arrival`
     cached_tokens: int | None = None  # prompt tokens its replica's prefix cache held when it admitted it
+    priority: int = defaults.PRIORITY  # its flow-control class (protocol.flow), so reports split by it
+    tenant: str = defaults.TENANT
 
     @property
     def num_output_tokens(self) -> int:

@@ -37,6 +37,8 @@ def request_row(trace: RequestTrace) -> dict:
         "token_times": trace.token_times,
         "num_preemptions": trace.num_preemptions,
         "cached_tokens": trace.cached_tokens,
+        "priority": trace.priority,
+        "tenant": trace.tenant,
     }
 
 

@@ -62,13 +62,14 @@ import typing
 from pathlib import Path
 
 from metrics.definitions import RequestTrace
+from protocol import defaults
 from protocol.cpu import cpu_info
 from protocol.errors import SlotServeError
 from protocol.records import Decision, StepRecord
 from protocol.scaling import ColdStart, ScalingDecision
 
 DEFAULT_STORE = Path("results/slotserve.db")
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 _MIGRATIONS_TABLE = """CREATE TABLE IF NOT EXISTS migrations (
     run_id INTEGER NOT NULL REFERENCES runs(run_id),
     request_id TEXT NOT NULL,
@@ -159,6 +160,10 @@ _MIGRATIONS[6] = [  # a prefill/decode hand-over's K/V moved with the request
     "ALTER TABLE migrations ADD COLUMN kv_bytes INTEGER",
     "ALTER TABLE migrations ADD COLUMN kv_seconds REAL",
 ]
+_MIGRATIONS[7] = [  # a request's class for flow control (protocol.flow); older rows read as the defaults'
+    "ALTER TABLE requests ADD COLUMN priority INTEGER",
+    "ALTER TABLE requests ADD COLUMN tenant TEXT",
+]
 
 
 SCHEMA = """
@@ -194,6 +199,8 @@ CREATE TABLE IF NOT EXISTS requests (
     error TEXT,
     num_preemptions INTEGER,
     cached_tokens INTEGER,           -- prompt tokens the replica's prefix cache held at admission
+    priority INTEGER,                -- its flow-control band (lower is served first); NULL: the default
+    tenant TEXT,                     -- its tenant; NULL: the default
     PRIMARY KEY (run_id, request_id)
 );
 CREATE TABLE IF NOT EXISTS tokens (
@@ -235,6 +242,8 @@ _COLUMNS = {
         "error",
         "num_preemptions",
         "cached_tokens",
+        "priority",
+        "tenant",
     ),
     **{table: tuple(c.name for c in columns) for table, columns in _RECORD_TABLES.items()},
     "migrations": (
@@ -424,6 +433,8 @@ class MetricsStore:
                 r["replica_id"],
                 r["num_preemptions"] or 0,
                 cached_tokens=r["cached_tokens"],
+                priority=defaults.PRIORITY if r["priority"] is None else r["priority"],
+                tenant=r["tenant"] or defaults.TENANT,
             )
             for r in self.conn.execute("SELECT * FROM requests WHERE run_id = ? ORDER BY request_id", (run_id,))
         ]

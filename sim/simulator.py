@@ -39,6 +39,11 @@ number (router 0 is the one router of `routers=1`). Decisions of all of them are
 order. `self.router` is router 0: the subclasses, which change the replicas behind the router
 (`sim.autoscaling`) or route a request twice (`sim.disaggregation`), model one router only.
 
+Flow control (`SimulationConfig.flow`, `protocol.flow`): each router places requests with
+`Router.submit`; one it holds waits in the router, and when released it takes the router's
+answer back to its client and its submission to the replica, another `dispatch_delay`; one
+refused while held ends `rejected` with its reason, as one refused at once does.
+
 Left out on purpose: a decision's own time (tens of microseconds against steps of milliseconds);
 reports and completions reach the router at once.
 
@@ -68,6 +73,7 @@ from metrics.recording import record_run
 from protocol.blocks import block_hashes
 from protocol.clock import FakeClock
 from protocol.errors import OverloadedError, SlotServeError
+from protocol.flow import FlowConfig
 from protocol.routing import RouteRequest
 from replica.config import EngineConfig
 from replica.engine import Engine, StepRecord, StepResult
@@ -114,6 +120,10 @@ class SimulationConfig(BaseModel):
         gt=0,
         description="routers sharing the traffic (workload index mod routers), each told every replica's "
         "load reports and K/V events but only the ends of the requests it routed",
+    )
+
+    flow: FlowConfig | None = Field(
+        None, description="flow control at every router (protocol.flow): priorities, tenants, holding while saturated"
     )
 
     @field_validator("routing_policy")
@@ -213,6 +223,8 @@ class Simulator:
             self._track_steps(rid)
         self._decisions: list[Decision] = []
         self._decision_figures = 0
+        self._flow_held: dict[str, tuple[list[int], float]] = {}  # held by flow control: prompt, sent
+        self._released: deque[tuple[float, str, str]] = deque()  # released, on the way: due, request, replica
 
     def _track_steps(self, replica_id: str) -> None:
         """Start the step records of a replica (one attached later too)."""
@@ -224,7 +236,13 @@ class Simulator:
         seeded by `seed`, with no per-replica figures in decisions a run without records never keeps."""
         c = self.config
         return Router(
-            ids, c.routing_policy, self.clock, seed=seed, tpot_slo=c.slo.tpot, decision_figures=self.keep_records
+            ids,
+            c.routing_policy,
+            self.clock,
+            seed=seed,
+            tpot_slo=c.slo.tpot,
+            decision_figures=self.keep_records,
+            flow=c.flow,
         )
 
     def _router_of(self, request_id: str) -> Router:
@@ -258,6 +276,8 @@ class Simulator:
                     self._dirty.add(index)
             self._run_timers(now)
             self._admit_arrivals(now)
+            if self.config.flow is not None:
+                self._release_held(now)
             for index in sorted(self._dirty):
                 if not self.replicas[index].busy:
                     self._start_step(index, now)
@@ -284,11 +304,37 @@ class Simulator:
         else:  # plus the delay: the sum `due` tests, so none is left behind
             arrival = self.schedule.next_time()
             arrival = None if arrival is None else max(arrival + self.config.dispatch_delay, self._send_free)
-        times = [t for t in (arrival, self._events[0][0] if self._events else None) if t is not None]
+        times = [
+            t for t in (arrival, self._events[0][0] if self._events else None, *self._flow_times()) if t is not None
+        ]
         if not times:
             return None  # a subclass's timers never keep a run going that has nothing left to do
         timer = self._next_timer()
         return max(min(times if timer is None else [*times, timer]), self.clock.now())
+
+    def _flow_times(self) -> list[float | None]:
+        """When flow control next has something to do: a released request reaches its replica,
+        a held one's deadline comes."""
+        if self.config.flow is None:
+            return []
+        return [self._released[0][0] if self._released else None, *(r.next_tick() for r in self.routers)]
+
+    def _release_held(self, now: float) -> None:
+        """Refuse the held requests whose deadline has come, start the released ones on their
+        way (`dispatch_delay`), and queue those that arrived by `now`."""
+        for router in self.routers:
+            router.tick()
+            for released in router.take_released():
+                rid = released.request_id
+                if released.decision is None:
+                    self._refuse(rid, released.refusal, self._flow_held.pop(rid)[1], now, told=False)
+                else:
+                    self._released.append((now + self.config.dispatch_delay, rid, released.decision.replica_id))
+        self._take_decisions()
+        while self._released and self._released[0][0] <= now:
+            _, rid, replica_id = self._released.popleft()
+            prompt, sent = self._flow_held.pop(rid)
+            self._queue(rid, replica_id, prompt, sent, now)
 
     def _next_timer(self) -> float | None:
         """When a subclass's own timer is next due (`sim.autoscaling`: a scaling decision, a
@@ -320,8 +366,19 @@ class Simulator:
         sent = planned if now <= planned + delay else now - delay
         prompt = request_prompt(self.config.seed, index, spec, self.config.vocab_size)
         try:
-            decision = self._router_of(rid).route(self._route_request(rid, spec, prompt, sent))
-            replica = self._by_id[decision.replica_id]
+            decision = self._router_of(rid).submit(self._route_request(rid, spec, prompt, sent))
+        except SlotServeError as err:  # refused by the router, as the cluster's driver records it
+            self._refuse(rid, err, sent, now)
+            return
+        if decision is None:  # held by flow control until the router releases it
+            self._flow_held[rid] = (prompt, sent)
+        else:
+            self._queue(rid, decision.replica_id, prompt, sent, now)
+
+    def _queue(self, rid: str, replica_id: str, prompt: list[int], sent: float, now: float) -> None:
+        """Submit a routed request to its replica (a refusal there is recorded as the driver does)."""
+        spec, replica = self._arrivals[rid].spec, self._by_id[replica_id]
+        try:
             replica.engine.add_request(
                 prompt,
                 {"max_tokens": spec.output_len, "ignore_eos": True},
@@ -330,17 +387,32 @@ class Simulator:
                 oracle_output_len=spec.output_len,
                 hand_over=self._hands_over(replica.replica_id),
             )
-        except SlotServeError as err:  # refused by the router or at submission, as the cluster's driver records it
-            self._errors[rid] = str(err)
-            rejected = isinstance(err, (ValueError, OverloadedError))
-            self._done[rid] = RequestTrace(
-                rid, sent, [], now, "rejected" if rejected else "error", spec.prompt_len, None
-            )
-            self._router_of(rid).complete(rid)
-            self.schedule.finished(index, now)
+        except SlotServeError as err:
+            self._refuse(rid, err, sent, now)
             return
         self._requests[rid] = (replica.engine.requests[rid], replica.replica_id)
         self._dirty.add(replica.index)
+
+    def _refuse(self, rid: str, err: SlotServeError, sent: float, now: float, told: bool = True) -> None:
+        """The request ends refused: `rejected` when overloaded or invalid, else `error`, with its
+        reason; its router is told unless it refused it while holding it (`told=False`)."""
+        arrival = self._arrivals[rid]
+        self._errors[rid] = str(err)
+        rejected = isinstance(err, (ValueError, OverloadedError))
+        self._done[rid] = RequestTrace(
+            rid,
+            sent,
+            [],
+            now,
+            "rejected" if rejected else "error",
+            arrival.spec.prompt_len,
+            None,
+            priority=arrival.spec.priority,
+            tenant=arrival.spec.tenant,
+        )
+        if told:
+            self._router_of(rid).complete(rid)
+        self.schedule.finished(arrival.index, now)
 
     def _take_decisions(self) -> None:
         """Keep the routers' new decisions, in time order, their per-replica figures within the run's bound."""
@@ -364,12 +436,22 @@ class Simulator:
         hashes at the engine's block size, and when it was sent."""
         size = self.config.engine.block_size
         hashes = tuple(block_hashes(prompt, size))
-        return RouteRequest(rid, spec.prompt_len, spec.output_len, spec.session_id, hashes, size, sent_at=sent)
+        return RouteRequest(
+            rid,
+            spec.prompt_len,
+            spec.output_len,
+            spec.session_id,
+            hashes,
+            size,
+            sent_at=sent,
+            priority=spec.priority,
+            tenant=spec.tenant,
+        )
 
     def _tell_arrivals_done(self) -> None:
         """Whether a request may come before a running one ends, as the cluster's driver tells
         its replicas: with none coming, a static batch need not wait to be full."""
-        done = self.schedule.waiting_on_ends and not self._held
+        done = self.schedule.waiting_on_ends and not self._held and not self._flow_held
         if done != self._arrivals_done:
             self._arrivals_done = done
             for i, replica in enumerate(self.replicas):
@@ -398,7 +480,7 @@ class Simulator:
         for output in result.outputs:
             if output.finished and output.handover is None:  # a hand-over is a subclass's to deliver
                 request, replica_id = self._requests.pop(output.request_id)
-                self._done[output.request_id] = request_trace(request, output.time, replica_id)
+                self._done[output.request_id] = self._classed(request_trace(request, output.time, replica_id))
                 if self.keep_records:
                     self._token_ids[output.request_id] = request.output_token_ids
                 self._router_of(output.request_id).complete(output.request_id, output_len=request.num_output_tokens)
@@ -411,6 +493,13 @@ class Simulator:
         self._report(replica)
         self._dirty.add(replica.index)
         self._tell_arrivals_done()
+
+    def _classed(self, trace: RequestTrace) -> RequestTrace:
+        """The trace with its request's priority and tenant (from its workload request)."""
+        spec = self._arrivals[trace.request_id].spec
+        if (spec.priority, spec.tenant) == (trace.priority, trace.tenant):
+            return trace
+        return replace(trace, priority=spec.priority, tenant=spec.tenant)
 
     def _report(self, replica: _Replica, force: bool = False) -> None:
         load = replica.engine.load_report(replica.replica_id)

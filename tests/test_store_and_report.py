@@ -139,8 +139,10 @@ def test_a_store_of_the_previous_schema_is_migrated_in_place(tmp_path):
         ("requests", "cached_tokens"),
         ("migrations", "kv_bytes"),
         ("migrations", "kv_seconds"),
+        ("requests", "priority"),
+        ("requests", "tenant"),
     ):
-        conn.execute(f"ALTER TABLE {table} DROP COLUMN {column}")  # added in schemas 6 and 7
+        conn.execute(f"ALTER TABLE {table} DROP COLUMN {column}")  # added in schemas 6, 7 and 8
     conn.execute(
         "INSERT INTO runs (name, started, status, batching_policy, routing_policy, seed, simulated) "
         "VALUES ('old', 0, 'complete', 'continuous', 'round_robin', 0, 0)"
@@ -151,7 +153,7 @@ def test_a_store_of_the_previous_schema_is_migrated_in_place(tmp_path):
     conn.commit()
     conn.close()
     store = open_store(path)
-    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
+    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
     [old] = store.steps(1)
     assert (old["start"], old["num_decode_tokens"], old["num_preemptions"]) == (2.5, 3, 2)
     store.add_steps(1, [step("a", 1, 2, 2, 2)])

@@ -43,8 +43,9 @@ from pydantic import (
 )
 
 from protocol import defaults
+from protocol.flow import FlowConfig, FlowPolicy
 from protocol.handover import KvLink
-from workloads.spec import TraceSpec, WorkloadSpec, parse_spec
+from workloads.spec import TenantsSpec, TraceSpec, WorkloadSpec, parse_spec
 from workloads.standard import STANDARD_SPECS, standard_spec
 from workloads.traces import TraceError
 
@@ -220,6 +221,9 @@ class SweepSection(_Section):
     pools: list[Annotated[str, StringConstraints(pattern=r"^\d+:\d+$")]] | None = Field(
         None, min_length=1, description='prefill:decode splits of cluster.replicas, "P:D" ("0:4": no pools)'
     )
+    flow: list[FlowPolicy] | None = Field(
+        None, min_length=1, description="flow-control policies, each over the [flow] table (protocol.flow)"
+    )
 
     @field_validator("batching")
     @classmethod
@@ -231,7 +235,7 @@ class SweepSection(_Section):
     def _known_routing(cls, names: list[str], info: ValidationInfo) -> list[str]:
         return _known(names, info, "routing")
 
-    @field_validator("load", "token_budget", "slots", "seeds", "pools")
+    @field_validator("load", "token_budget", "slots", "seeds", "pools", "flow")
     @classmethod
     def _no_repeats(cls, values: list | None) -> list | None:
         return values if values is None else _unique(values)
@@ -251,6 +255,8 @@ class Experiment(_Section):
     # Not SweepSection(): its policy checks need the registries, which only load_experiment has.
     sweep: SweepSection = SweepSection.model_construct()
     slo: SLOSection = SLOSection()
+    # Flow control at the router (protocol.flow); sweep.flow replaces its policy cell by cell.
+    flow: FlowConfig | None = None
     plots: list[Literal[PLOTS]] = Field(list(PLOTS), description="which figures the report has")
 
     @field_validator("plots")
@@ -261,7 +267,7 @@ class Experiment(_Section):
     _path: Path = PrivateAttr()
     _allow_outside_paths: bool = PrivateAttr(False)
     _lines: dict[Loc, int] = PrivateAttr()
-    _spec: WorkloadSpec | TraceSpec = PrivateAttr()
+    _spec: WorkloadSpec | TraceSpec | TenantsSpec = PrivateAttr()
 
     @property
     def path(self) -> Path:
@@ -290,11 +296,11 @@ class Experiment(_Section):
         """A validation error of something built from the key `at` (its paths are below it)."""
         return _first_error(self._path, self._lines, err, at)
 
-    def workload_spec(self, seed: int, args: dict[str, Any] | None = None) -> WorkloadSpec | TraceSpec:
+    def workload_spec(self, seed: int, args: dict[str, Any] | None = None) -> WorkloadSpec | TraceSpec | TenantsSpec:
         """The workload of one seed and one of sweep.workload's argument sets (a trace is
         fixed: the seed then only seeds the run's prompts)."""
         spec = _standard(self, args) if args else self._spec
-        return spec.replace(seed=seed) if isinstance(spec, WorkloadSpec) else spec
+        return spec.replace(seed=seed) if isinstance(spec, (WorkloadSpec, TenantsSpec)) else spec
 
     def workload_variants(self) -> list[dict[str, Any]]:
         """sweep.workload's argument sets, or one empty set."""
@@ -338,7 +344,7 @@ def load_experiment(
 # --- the workload -------------------------------------------------------------------------
 
 
-def _base_spec(experiment: Experiment) -> WorkloadSpec | TraceSpec:
+def _base_spec(experiment: Experiment) -> WorkloadSpec | TraceSpec | TenantsSpec:
     section = experiment.workload
     if section.spec is not None:
         if "seed" in section.spec:
@@ -353,7 +359,7 @@ def _base_spec(experiment: Experiment) -> WorkloadSpec | TraceSpec:
     return _standard(experiment, {})
 
 
-def _standard(experiment: Experiment, args: dict[str, Any]) -> WorkloadSpec | TraceSpec:
+def _standard(experiment: Experiment, args: dict[str, Any]) -> WorkloadSpec | TraceSpec | TenantsSpec:
     """The standard workload with workload.args, then `args` (one of sweep.workload's sets), then
     workload.override. A set with its own `standard` names another standard workload, made
     from that set's arguments alone (so one file can compare workloads)."""

@@ -2,8 +2,9 @@
 carries its spec's JSON dump (`Workload.spec`), a run stores it, and `parse_spec(dump).build()`
 gives back exactly the same requests.
 
-Two sources: `WorkloadSpec` (an arrival process and length distributions, drawn from seeded
-RNGs) and `TraceSpec` (a real trace through the readers of `workloads.traces`)."""
+Three sources: `WorkloadSpec` (an arrival process and length distributions, drawn from seeded
+RNGs), `TraceSpec` (a real trace through the readers of `workloads.traces`) and `TenantsSpec`
+(several tenants, each its own class, rate, window and lengths: flow control's traffic)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import dataclasses
 import random
 from typing import Annotated, Literal, Self
 
-from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, TypeAdapter, model_validator
+from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, TypeAdapter, field_validator, model_validator
 
+from protocol import defaults
 from workloads.arrivals import AllAtOnce, ArrivalProcess, ClosedLoopArrivals
 from workloads.capacity import Capacity
 from workloads.lengths import LengthDist
@@ -168,11 +170,95 @@ class TraceSpec(_Spec):
         return self.replace(time_scale=self.time_scale * (len(requests) - 1) / span / rate)
 
 
-AnyWorkloadSpec = Annotated[WorkloadSpec | TraceSpec, Field(discriminator="source")]
+class TenantTraffic(SpecModel):
+    """One tenant's requests: Poisson arrivals from `start` to `end` (shares of the spec's
+    duration) at `rate` requests/s, of its own class and lengths. `load` is its offered load
+    while it sends, as a multiple of the cluster's capacity, from which `TenantsSpec.at_load`
+    sets `rate` (a flood is a tenant with a load above 1 for a stretch)."""
+
+    name: str = Field(min_length=1)
+    priority: int = defaults.PRIORITY
+    load: PositiveFloat = 1.0
+    rate: PositiveFloat | None = None
+    start: float = Field(0.0, ge=0.0, lt=1.0)
+    end: float = Field(1.0, gt=0.0, le=1.0)
+    prompt_len: LengthDist
+    output_len: LengthDist
+
+    @model_validator(mode="after")
+    def _window(self) -> TenantTraffic:
+        if self.end <= self.start:
+            raise ValueError(f"tenant {self.name!r}: end {self.end} must be after start {self.start}")
+        return self
+
+    def lengths(self, seed: int, n: int) -> list[tuple[int, int]]:
+        """The first `n` (prompt, output) pairs of its length stream (the same whatever its rate)."""
+        rng = random.Random(f"{seed}-{self.name}-lengths")
+        return [(self.prompt_len.sample(rng), self.output_len.sample(rng)) for _ in range(n)]
+
+
+class TenantsSpec(_Spec):
+    """Several tenants over `duration` seconds, merged in arrival order. Each tenant draws its
+    arrivals and lengths from streams of its own ("{seed}-{tenant}-arrivals", "-lengths"), so
+    changing one tenant's rate moves no other tenant's requests."""
+
+    source: Literal["tenants"] = "tenants"
+    name: str = Field(min_length=1)
+    seed: int = 0
+    duration: PositiveFloat
+    tenants: list[TenantTraffic] = Field(min_length=1)
+
+    @field_validator("tenants")
+    @classmethod
+    def _unique_names(cls, tenants: list[TenantTraffic]) -> list[TenantTraffic]:
+        names = [t.name for t in tenants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"repeated tenant name in {names}")
+        return tenants
+
+    def at_load(self, load: float, capacity: Capacity | float) -> TenantsSpec:
+        """Each tenant's rate set so it offers `load` x its own `load` x `capacity` while it sends."""
+        capacity = Capacity.of(capacity)
+        if load <= 0:
+            raise ValueError(f"load must be > 0, got {load}")
+        return self.replace(
+            tenants=[
+                t.replace(rate=capacity.rate_for(load * t.load, t.lengths(self.seed, 1000))).model_dump()
+                for t in self.tenants
+            ]
+        )
+
+    def with_mean_rate(self, rate: float) -> TenantsSpec:
+        """Every tenant's rate scaled alike, so the whole offers `rate` requests/s over the duration."""
+        own = [(t.rate or t.load) for t in self.tenants]
+        mean = sum(r * (t.end - t.start) for r, t in zip(own, self.tenants))
+        return self.replace(tenants=[t.replace(rate=r * rate / mean).model_dump() for r, t in zip(own, self.tenants)])
+
+    def build(self) -> Workload:
+        requests = []
+        for order, tenant in enumerate(self.tenants):
+            if tenant.rate is None:
+                raise ValueError(f"tenant {tenant.name!r} has no rate: give one, or run the spec at a load")
+            rng = random.Random(f"{self.seed}-{tenant.name}-arrivals")
+            start, end = tenant.start * self.duration, tenant.end * self.duration
+            times, t = [], start + rng.expovariate(tenant.rate)
+            while t < end:
+                times.append(t)
+                t += rng.expovariate(tenant.rate)
+            for t, (prompt, output) in zip(times, tenant.lengths(self.seed, len(times))):
+                requests.append(
+                    (t, order, WorkloadRequest(t, prompt, output, priority=tenant.priority, tenant=tenant.name))
+                )
+        requests.sort(key=lambda x: (x[0], x[1]))
+        params = {"duration": self.duration, **{f"rate_{t.name}": t.rate for t in self.tenants}}
+        return Workload(self.name, self.seed, [r for _, _, r in requests], params, self.model_dump(mode="json"))
+
+
+AnyWorkloadSpec = Annotated[WorkloadSpec | TraceSpec | TenantsSpec, Field(discriminator="source")]
 _ANY_SPEC = TypeAdapter(AnyWorkloadSpec)
 
 
-def parse_spec(data: dict) -> WorkloadSpec | TraceSpec:
+def parse_spec(data: dict) -> WorkloadSpec | TraceSpec | TenantsSpec:
     """A stored spec (`Workload.spec`, any `model_dump`) back as a spec, synthetic or trace by
     its `source`; bad data raises pydantic's ValidationError naming the field."""
     return _ANY_SPEC.validate_python(data)

@@ -10,7 +10,7 @@ from workloads.arrivals import AllAtOnce, BurstyArrivals, PoissonArrivals
 from workloads.capacity import Capacity
 from workloads.lengths import LognormalLength, MixtureLength, UniformLength
 from workloads.prefixes import SharedPrefix
-from workloads.spec import TraceSpec, WorkloadSpec
+from workloads.spec import TenantsSpec, TenantTraffic, TraceSpec, WorkloadSpec
 from workloads.workload import Workload
 
 SIGMAS = (0.0, 0.4, 0.8, 1.2)
@@ -192,7 +192,52 @@ def azure_conv_spec(
     )
 
 
-STANDARD_SPECS: Registry[Callable[..., WorkloadSpec | TraceSpec]] = Registry(
+def flood_spec(
+    duration: float = 60.0,
+    interactive_load: float = 0.25,
+    batch_load: float = 0.35,
+    flood_load: float = 2.5,
+    seed: int = 0,
+) -> TenantsSpec:
+    """Flow control's traffic: an `interactive` tenant at steady load (priority 0, short prompts
+    and outputs), a `batch` tenant (priority 2, long outputs) and a `flood` tenant sending at
+    `flood_load` x capacity through the middle third, in the batch band: a runaway job of a
+    non-critical tenant, so priority alone keeps it off the interactive class and fair share
+    within the band is what keeps it off the batch tenant. Loads are x the cluster's capacity
+    (at `at_load(1.0, capacity)`; a sweep's load scales all three)."""
+    return TenantsSpec(
+        name="flood",
+        seed=seed,
+        duration=duration,
+        tenants=[
+            TenantTraffic(
+                name="interactive",
+                priority=0,
+                load=interactive_load,
+                prompt_len=UniformLength(low=16, high=64),
+                output_len=UniformLength(low=8, high=32),
+            ),
+            TenantTraffic(
+                name="batch",
+                priority=2,
+                load=batch_load,
+                prompt_len=UniformLength(low=32, high=128),
+                output_len=UniformLength(low=128, high=256),
+            ),
+            TenantTraffic(
+                name="flood",
+                priority=2,
+                load=flood_load,
+                start=1 / 3,
+                end=2 / 3,
+                prompt_len=UniformLength(low=64, high=128),
+                output_len=UniformLength(low=32, high=64),
+            ),
+        ],
+    )
+
+
+STANDARD_SPECS: Registry[Callable[..., WorkloadSpec | TraceSpec | TenantsSpec]] = Registry(
     "standard workload",
     {
         "saturated": saturated_spec,
@@ -204,11 +249,12 @@ STANDARD_SPECS: Registry[Callable[..., WorkloadSpec | TraceSpec]] = Registry(
         "shared-prefix": shared_prefix_spec,
         "kv-pressure": kv_pressure_spec,
         "zero-reuse": zero_reuse_spec,
+        "flood": flood_spec,
     },
 )
 
 
-def standard_spec(name: str, **kwargs) -> WorkloadSpec | TraceSpec:
+def standard_spec(name: str, **kwargs) -> WorkloadSpec | TraceSpec | TenantsSpec:
     """The standard workload `name` made with `kwargs` (the factory's arguments)."""
     return STANDARD_SPECS[name](**kwargs)
 

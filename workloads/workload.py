@@ -9,6 +9,8 @@ from typing import Self
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from protocol import defaults
+
 
 class SpecModel(BaseModel):
     """Base of every part of a workload spec: frozen, because a spec is a value a run stores
@@ -27,7 +29,8 @@ class WorkloadRequest:
     concatenation of those blocks of `block_len` tokens each (a block id always stands for the
     same tokens within a workload, so requests naming the same leading ids share that prefix,
     as Mooncake's `hash_ids` do), cut or padded with the request's own tokens to `prompt_len`.
-    Without blocks the whole prompt is the request's own."""
+    Without blocks the whole prompt is the request's own. `priority` and `tenant` are its class
+    for flow control (`protocol.flow`), as a client would send them."""
 
     arrival: float  # seconds after the start of the run
     prompt_len: int
@@ -35,6 +38,8 @@ class WorkloadRequest:
     session_id: str | None = None
     blocks: tuple[int, ...] = ()
     block_len: int = 0
+    priority: int = defaults.PRIORITY
+    tenant: str = defaults.TENANT
 
 
 @dataclass(frozen=True)
