@@ -125,10 +125,9 @@ class FlowController:
             rate = getattr(tenant, limit)
             if rate is None:
                 continue
-            key = (request.tenant, limit)
-            bucket = self._buckets.get(key) or self._buckets.setdefault(
-                key, TokenBucket(rate, rate * tenant.burst, now)
-            )
+            bucket = self._buckets.get((request.tenant, limit))
+            if bucket is None:
+                bucket = self._buckets[request.tenant, limit] = TokenBucket(rate, rate * tenant.burst, now)
             wait = bucket.wait(cost, now)
             if wait > 0:
                 self.refused["limit"] += 1

@@ -64,3 +64,32 @@ def test_every_request_ends_once_finished_or_rejected_with_a_reason(runs):
                 assert result.errors[trace.request_id]
             else:
                 assert trace.num_output_tokens == result.arrivals[trace.request_id].spec.output_len
+
+
+def test_flow_sweep_runs_each_policy_over_the_table_and_leaves_serve_without_flow_control():
+    """sweep.flow makes one cell per policy over the [flow] table; a cell routed by Ray Serve's
+    router gets none (Serve has no flow control: the peer), and --simulate leaves it out."""
+    from experiments.plan import plan_experiment
+
+    plan = plan_experiment("workloads/experiments/flow-control.toml", seeds=[0])
+    flows = {(c.routing, c.flow): plan.flow(c) for c in plan.cells}
+    assert set(flows) == {("least_loaded", p) for p in ("fcfs", "priority", "vtc")} | {("serve_power_of_two", "")}
+    assert flows["serve_power_of_two", ""] is None
+    assert flows["least_loaded", "vtc"].policy == "vtc" and flows["least_loaded", "vtc"].max_held == 1000
+    assert {c.routing for c in plan_experiment("workloads/experiments/flow-control.toml", simulate=True).cells} == {
+        "least_loaded"
+    }
+
+
+def test_a_bad_flow_table_names_the_file_line_and_key(tmp_path):
+    """A bad value in an experiment's [flow] table is an ExperimentError at its file, line and key."""
+    from experiments.plan import plan_experiment
+    from workloads.experiment import ExperimentError
+
+    text = open("workloads/experiments/flow-control.toml").read().replace("max_held = 1000", 'max_held = "many"')
+    (tmp_path / "cost_model.json").write_text(open("workloads/experiments/cost_model.json").read())
+    path = tmp_path / "flow.toml"
+    path.write_text(text)
+    line = text.splitlines().index('max_held = "many"') + 1
+    with pytest.raises(ExperimentError, match=rf"flow\.toml:{line}: flow\.max_held: "):
+        plan_experiment(path, simulate=True)
