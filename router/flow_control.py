@@ -32,6 +32,7 @@ import heapq
 import itertools
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol.clock import Clock
@@ -109,10 +110,11 @@ class FlowController:
         """The tenant of the band whose held request goes next."""
         return min(queues, key=lambda tenant: queues[tenant][0].seq)
 
-    def holds(self, saturated: bool) -> bool:
-        """Whether a new request is held rather than routed now: while the cluster is saturated,
-        or others are held already (it must not pass them)."""
-        return saturated or bool(self._held)
+    def holds(self, saturated: Callable[[], bool]) -> bool:
+        """Whether a new request is held rather than routed now: while others are held already
+        (it must not pass them), or the cluster is saturated (asked only then: it looks at
+        every replica)."""
+        return bool(self._held) or saturated()
 
     # ---- admission and holding -------------------------------------------------------------
     def admit(self, request: RouteRequest) -> None:
@@ -288,7 +290,7 @@ class FcfsFlow(FlowController):
 
     name = "fcfs"
 
-    def holds(self, saturated: bool) -> bool:
+    def holds(self, saturated: Callable[[], bool]) -> bool:
         return False
 
 

@@ -146,15 +146,16 @@ class Router:
         return decision
 
     def submit(self, request: RouteRequest) -> Decision | None:
-        """Place a request under flow control: its decision, or None while it is held (its
-        decision or refusal comes later, from `take_released`). Raises UnknownPriorityError for
+        """Place a request under flow control: its decision, or None once it is held (its
+        decision or refusal comes later, from `take_released`; a refusal at once when holding it
+        went past `max_held` and it was the one shed). Raises UnknownPriorityError for
         a band not configured, and OverloadedError for a tenant over a limit or, as `route`
         does, where no replica can take it; without flow control it is `route`."""
         flow = self.flow
         if flow is None:
             return self.route(request)
         flow.admit(request)
-        if not flow.holds(self._saturated()):
+        if not flow.holds(self._saturated):
             return self._dispatch(request)
         self._released += flow.hold(request)
         self._release()
