@@ -6,7 +6,11 @@ Goodput is the group's output tokens of requests that met the SLO over the whole
 makespan (not the group's own), so the groups of one run add up to its goodput. Share of
 service is the group's share of the run's served tokens weighted as VTC weighs them (a prompt
 token 1, an output token 2: `protocol.flow.FlowConfig`'s defaults), whatever policy ran, so
-fcfs and vtc are judged by the same measure. Shed counts requests that ended `rejected`."""
+fcfs and vtc are judged by the same measure; over a whole run where every request is served it
+is the same under every policy, so it is also given over the stretch in which every tenant is
+sending (from the last tenant's first arrival to the first tenant's last one: a flood's stretch),
+each token counted when it was made (a prompt with its first token). Shed counts requests that
+ended `rejected`."""
 
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ FIGURES: list[tuple[str, str]] = [
     ("TPOT p99 s", "{:.3f}"),
     ("good tok/s", "{:.1f}"),
     ("service %", "{:.1f}"),
+    ("service % all sending", "{:.1f}"),
     ("shed", "{:.0f}"),
 ]
 
@@ -41,11 +46,28 @@ def _service(trace: RequestTrace) -> float:
     return _WEIGHTS.prompt_weight * trace.prompt_len + _WEIGHTS.output_weight * trace.num_output_tokens
 
 
+def _all_sending(traces: list[RequestTrace]) -> tuple[float, float]:
+    """From the last tenant's first arrival to the first tenant's last arrival."""
+    spans: dict[str, list[float]] = {}
+    for t in traces:
+        span = spans.setdefault(t.tenant, [t.arrival, t.arrival])
+        span[0], span[1] = min(span[0], t.arrival), max(span[1], t.arrival)
+    return max(s[0] for s in spans.values()), min(s[1] for s in spans.values())
+
+
+def _service_within(trace: RequestTrace, start: float, end: float) -> float:
+    times = trace.token_times
+    prompt = _WEIGHTS.prompt_weight * trace.prompt_len if times and start <= times[0] <= end else 0.0
+    return prompt + _WEIGHTS.output_weight * sum(start <= t <= end for t in times)
+
+
 def group_figures(traces: list[RequestTrace], slo: SLO) -> dict[str, dict[str, float | None]]:
     """One run's figures by group ("priority P", "tenant T"), groups in first-seen order."""
     start = min(t.arrival for t in traces)
     makespan = max(max(t.finish_time for t in traces) - start, 1e-9)
     total = sum(_service(t) for t in traces) or 1.0
+    both = _all_sending(traces)
+    total_within = sum(_service_within(t, *both) for t in traces)
     groups: dict[str, list[RequestTrace]] = {}
     for keyed in (lambda t: f"priority {t.priority}", lambda t: f"tenant {t.tenant}"):
         for trace in sorted(traces, key=lambda t: t.arrival):
@@ -60,6 +82,9 @@ def group_figures(traces: list[RequestTrace], slo: SLO) -> dict[str, dict[str, f
             **{f"TPOT {p} s": tpot[p] for p in ("p50", "p90", "p99")},
             "good tok/s": sum(t.num_output_tokens for t in group if slo.met_by(t)) / makespan,
             "service %": 100 * sum(_service(t) for t in group) / total,
+            "service % all sending": 100 * sum(_service_within(t, *both) for t in group) / total_within
+            if total_within
+            else None,
             "shed": sum(t.finish_reason == "rejected" for t in group),
         }
     return figures
