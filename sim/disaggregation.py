@@ -103,6 +103,7 @@ class PdSimulator(Simulator):
             seed=seed,
             tpot_slo=c.slo.tpot,
             decision_figures=self.keep_records,
+            flow=c.flow,  # at the front door: a hand-over to the decode pool is never held
         )
 
     def _hands_over(self, replica_id: str) -> bool:

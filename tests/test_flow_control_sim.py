@@ -93,3 +93,17 @@ def test_a_bad_flow_table_names_the_file_line_and_key(tmp_path):
     line = text.splitlines().index('max_held = "many"') + 1
     with pytest.raises(ExperimentError, match=rf"flow\.toml:{line}: flow\.max_held: "):
         plan_experiment(path, simulate=True)
+
+
+def test_the_store_keeps_each_request_class(runs, tmp_path):
+    """A simulated run written to the store reads back with each request's priority and tenant."""
+    from metrics.store import MetricsStore
+    from sim.simulator import record_simulation
+
+    _, results = runs
+    store = MetricsStore(tmp_path / "s.db")
+    run_id = record_simulation(store, results["vtc"])
+    stored = {t.request_id: (t.priority, t.tenant) for t in store.traces(run_id)}
+    assert stored == {t.request_id: (t.priority, t.tenant) for t in results["vtc"].traces}
+    assert set(stored.values()) == {(0, "interactive"), (2, "batch"), (2, "flood")}
+    store.close()
