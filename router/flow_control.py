@@ -41,6 +41,7 @@ from protocol.flow import FlowConfig, SaturationConfig
 from protocol.rates import CompletionRate
 from protocol.registry import Registry
 from protocol.routing import Released, RouteRequest
+from router.errors import RoutingError
 from router.load import ReplicaView
 
 
@@ -142,6 +143,8 @@ class FlowController:
     def hold(self, request: RouteRequest) -> list[Released]:
         """Queue the request; returns what was shed to keep within `max_held` (this one, if it is
         the newest of the least urgent band)."""
+        if request.request_id in self._held:
+            raise RoutingError(f"request {request.request_id!r} is already held")
         now = self.clock.now()
         wait = self.config.max_wait.get(request.priority, math.inf)
         expires = min(now + wait, math.inf if request.deadline is None else request.deadline)
@@ -175,24 +178,29 @@ class FlowController:
         """Refuse every held request whose deadline or band's max_wait has come."""
         now, refused = self.clock.now(), []
         while self._expiries and self._expiries[0][0] <= now:
-            _, _, request_id = heapq.heappop(self._expiries)
-            held = self._held.get(request_id)
+            held = self._held_entry(heapq.heappop(self._expiries))
             if held is None:
-                continue  # dispatched or shed already
+                continue
             self._remove(held)
             self.refused["expired"] += 1
-            why = (
+            bound = (
                 "its deadline"
                 if held.request.deadline == held.expires
-                else f"priority {held.request.priority}'s max_wait"
+                else f"priority {held.request.priority} max_wait"
             )
-            detail = f"held {now - held.since:.2f} s, past {why}: refused rather than served late"
-            refused.append(self._refusal(held, f"priority {held.request.priority} queue", len(self._held), detail))
+            detail = f"held {now - held.since:.2f} s: refused rather than served late"
+            refused.append(self._refusal(held, bound, math.ceil(held.expires - held.since), detail))
         return refused
+
+    def _held_entry(self, entry: tuple[float, int, str]) -> Held | None:
+        """The held request an expiry entry stands for; None once it left the queues (an entry
+        is left in the heap then, and its request may since be held again, under a new seq)."""
+        held = self._held.get(entry[2])
+        return held if held is not None and held.seq == entry[1] else None
 
     def next_expiry(self) -> float | None:
         """When the next held request expires (None: none will), for a caller's timer."""
-        while self._expiries and self._expiries[0][2] not in self._held:
+        while self._expiries and self._held_entry(self._expiries[0]) is None:
             heapq.heappop(self._expiries)
         return self._expiries[0][0] if self._expiries else None
 

@@ -279,3 +279,26 @@ def test_released_refusal_crosses_a_process_intact():
     assert again.refusal.retry_after == 0.25 and str(again.refusal) == str(released.refusal)
     with pytest.raises(ValueError, match="exactly one"):
         Released("q2")
+
+
+def test_a_request_held_twice_is_an_error_and_its_old_deadline_never_refuses_it_again():
+    """A second submit of a held request id is a RoutingError; a request refused at its
+    deadline and submitted again is not refused by the old deadline's timer."""
+    from router.errors import RoutingError
+
+    c = Cluster(free=0)
+    c.submit()
+    request, _ = c.submit(deadline=1.0)
+    with pytest.raises(RoutingError, match="already held"):
+        c.router.submit(request)
+    c.clock.advance(1.0)
+    c.router.tick()
+    c.check()
+    assert [r.request_id for r in c.released] == [request.request_id]
+    c.released.clear()
+    again = RouteRequest(request.request_id, 10, 10, deadline=5.0)
+    assert c.router.submit(again) is None
+    c.clock.advance(1.0)
+    c.router.tick()
+    c.check()
+    assert c.released == [] and c.router.next_tick() == 5.0
