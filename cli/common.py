@@ -108,7 +108,20 @@ def cluster_spec(args: argparse.Namespace):
         store_path=str(args.store),
         seed=args.seed,
         max_in_flight_per_replica=args.max_in_flight,
+        flow=flow_config(args.flow),
     )
+
+
+def flow_config(path: Path | None):
+    """--flow's config, or None; a file that cannot be read or names a bad value stops the command, naming it."""
+    if path is None:
+        return None
+    from protocol.flow import FlowConfig, FlowConfigError
+
+    try:
+        return FlowConfig.load(path)
+    except FlowConfigError as err:
+        raise SystemExit(f"--flow: {err}") from None
 
 
 def fake_cost(args: argparse.Namespace):
@@ -182,6 +195,14 @@ def cluster_args(p: argparse.ArgumentParser) -> None:
         help="requests the router keeps in flight per replica; past it on every replica: overloaded",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of random routing choices (run: and of the workload)")
+    p.add_argument(
+        "--flow",
+        type=Path,
+        default=None,
+        metavar="TOML",
+        help="the router's flow control: priority bands, tenants' fair shares and limits, shedding "
+        "(a FlowConfig file; default: every request dispatched at once)",
+    )
     engine_args(p)
     cache_flags(p)
 

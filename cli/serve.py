@@ -24,6 +24,8 @@ def run(args: argparse.Namespace) -> int:
     from cluster.http.ingress_actor import IngressConfig, start_ingresses, stop_ingresses
     from cluster.http.server import open_run, replica_info
 
+    if args.flow is not None and args.ingress_routing == "local":
+        raise SystemExit("--flow holds requests at the router actor, so it needs --ingress-routing actor")
     ensure_ray(args.address, start_local=False)
     if common.running_cluster(args.address):
         deployment = find_cluster()

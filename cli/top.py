@@ -76,8 +76,10 @@ def frame(
     rates: dict[str, float],
     interval: float,
     autoscaler: AutoscalerStatus | None = None,
+    flow: dict | None = None,
 ) -> list[str]:
-    """One screen: a header (with the autoscaler's lines), a line per replica and the totals."""
+    """One screen: a header (with the autoscaler's lines and, under flow control, the requests
+    the router holds per priority band), a line per replica and the totals."""
     head = (
         f"{'replica':<12} {'state':<9} {'occupancy':<{BAR + 7}} {'slots':>7} {'queue':>6} {'in flight':>10} "
         f"{'K/V used':>9} {'tok/s':>8} {'report age':>11}"
@@ -86,6 +88,7 @@ def frame(
         f"slotserve top  {time.strftime('%H:%M:%S')}  routing: {policy}  replicas: {len(lines)}  "
         f"(every {interval:g} s; Ctrl-C quits)",
         *autoscaler_lines(autoscaler),
+        *flow_lines(flow),
         "",
         head,
         "-" * len(head),
@@ -110,6 +113,16 @@ def frame(
         f"{sum(x.in_flight for x in lines):>10} {'':>9} {total:>8}"
     )
     return out
+
+
+def flow_lines(flow: dict | None) -> list[str]:
+    """The router's flow control (`Router.status()["flow"]`): its policy, and the requests it
+    holds per band (lower first) with the refusals so far."""
+    if not flow:
+        return []
+    held = ", ".join(f"{band}: {count}" for band, count in sorted(flow["held"].items())) or "none"
+    refused = sum(flow["refused"].values())
+    return [f"flow control: {flow['policy']}  held by priority band: {held}  refused: {refused}"]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
             }
             previous = {x.replica: (now, x.tokens) for x in lines if x.tokens is not None}
             sys.stdout.write(
-                (CLEAR if live else "") + "\n".join(frame(status["policy"], lines, rates, args.interval, autoscaler))
+                (CLEAR if live else "")
+                + "\n".join(frame(status["policy"], lines, rates, args.interval, autoscaler, status.get("flow")))
             )
             sys.stdout.write("\n")
             sys.stdout.flush()

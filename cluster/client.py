@@ -33,6 +33,7 @@ from cluster.local_routing import ROUTING_MODES, LocalRouter
 from cluster.loop_thread import LoopThread
 from cluster.placement import MAX_ATTEMPTS, MOVE_WAIT_SECONDS, ROUTER_RETRY_SECONDS, Placer
 from cluster.streams import Flight, Result, Sink
+from protocol import defaults
 from protocol.blocks import block_hashes
 from protocol.errors import RequestLostError
 from protocol.messages import StreamEvent
@@ -73,7 +74,9 @@ class Client:
     """Requests to a running cluster. `**params` of every call are `SamplingParams` fields
     (`max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop`, ...) with its defaults:
     temperature 0, greedy, as the CLI's (over HTTP a request without one samples at 1.0,
-    OpenAI's default)."""
+    OpenAI's default). `priority` is one of them too (lower is served first, by the router's
+    flow control and by the replica's scheduler), and `tenant` names whose traffic it is, for
+    the router's fair shares and limits (`protocol.flow`)."""
 
     def __init__(self, address: str | None = None, routing: str = "actor"):
         """`routing="local"` runs the router's policy inside this client, fed by the router
@@ -113,9 +116,15 @@ class Client:
         self.close()
 
     # ---- the async core -------------------------------------------------------------------
-    def _prepare(self, prompt, session_id, request_id, params: dict, sink: Sink, timeout: float | None) -> Flight:
+    def _prepare(
+        self, prompt, session_id, request_id, params: dict, sink: Sink, timeout: float | None, tenant: str | None
+    ) -> Flight:
         """Validate (failing fast, before routing) and stamp arrival."""
         validate_prompt(prompt)
+        if tenant is not None and (not isinstance(tenant, str) or not tenant or len(tenant) > 256):
+            raise InvalidRequestError(
+                "tenant", f"must be a non-empty string of at most 256 characters, got {tenant!r:.80}"
+            )
         if session_id is not None and (not isinstance(session_id, str) or len(session_id) > 256):
             raise InvalidRequestError(
                 "session_id", f"must be a string of at most 256 characters, got {session_id!r:.80}"
@@ -125,19 +134,20 @@ class Client:
         prompt_len = len(prompt) if isinstance(prompt, list) else max(1, len(prompt) // 4)  # no tokenizer here
         hashes = tuple(block_hashes(prompt, self.block_size)) if isinstance(prompt, list) else ()
         result = Result(rid, None, time.time())
-        flight = Flight(result, prompt, sampling, session_id, sink, prompt_len, block_hashes=hashes)
+        flight = Flight(
+            result, prompt, sampling, session_id, sink, prompt_len, tenant or defaults.TENANT, block_hashes=hashes
+        )
         flight.block_size = self.block_size
         flight.deadline = None if timeout is None else time.monotonic() + timeout
         flight.sink = self._placer.local_sink(flight, sink)  # a local router hears of the end here
         return flight
 
-    async def _open(self, prompt, session_id, request_id, params, timeout) -> tuple[Result, AsyncGenerator]:
+    async def _open(self, prompt, session_id, request_id, params, timeout, tenant) -> tuple[Result, AsyncGenerator]:
         """Place the request; its result and the stream of its events."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[StreamEvent] = asyncio.Queue()
-        flight = self._prepare(
-            prompt, session_id, request_id, params, partial(loop.call_soon_threadsafe, events.put_nowait), timeout
-        )
+        sink = partial(loop.call_soon_threadsafe, events.put_nowait)
+        flight = self._prepare(prompt, session_id, request_id, params, sink, timeout, tenant)
         try:
             await self._placer.place(flight)
         except asyncio.CancelledError:  # its caller left while it was placed: nothing may run for it
@@ -173,11 +183,13 @@ class Client:
         session_id: str | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
+        tenant: str | None = None,
         **params,
     ) -> AsyncIterator[StreamEvent]:
         """Yield events as tokens arrive; the last has finished=True and the finish reason.
-        Past `timeout` seconds the request is aborted and RequestTimeoutError raised."""
-        _, events = await self._open(prompt, session_id, request_id, params, timeout)
+        Past `timeout` seconds the request is aborted and RequestTimeoutError raised (held by
+        flow control that long, it is refused at the router: OverloadedError)."""
+        _, events = await self._open(prompt, session_id, request_id, params, timeout, tenant)
         async with aclosing(events):
             async for event in events:
                 yield event
@@ -188,10 +200,11 @@ class Client:
         session_id: str | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
+        tenant: str | None = None,
         **params,
     ) -> Result:
         """The whole request (as `astream`), once it has ended."""
-        result, events = await self._open(prompt, session_id, request_id, params, timeout)
+        result, events = await self._open(prompt, session_id, request_id, params, timeout, tenant)
         async with aclosing(events):
             async for _ in events:
                 pass

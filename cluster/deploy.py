@@ -42,6 +42,7 @@ from metrics.definitions import SLO
 from metrics.live import EXPORT_INTERVAL_MS
 from metrics.store import DEFAULT_STORE
 from protocol import defaults
+from protocol.flow import FlowConfig
 from protocol.replicas import ReplicaInfo, Unreachable
 from replica.serving.actor import ReplicaActor
 from replica.serving.loop import DRAIN_HANDOVER_WAIT, ReplicaConfig
@@ -78,6 +79,9 @@ class ClusterSpec(PoolsSpec):
     )
     max_in_flight: int | None = Field(None, gt=0, description="router bound in all (default: per replica x replicas)")
     health_period: float = Field(1.0, gt=0, description="seconds between the router's replica health checks")
+    flow: FlowConfig | None = Field(
+        None, description="the router's flow control (None: every request dispatched at once)"
+    )
 
     @field_validator("routing_policy")
     @classmethod
@@ -299,6 +303,7 @@ def start_cluster(spec: ClusterSpec, detached: bool = False, ready_timeout: floa
         health_period=spec.health_period,
         telemetry=router_telemetry(),
         pools=spec.pd_pools(),
+        flow=spec.flow,
         tpot_slo=spec.slo.tpot,
     )
     deadline = time.monotonic() + ready_timeout

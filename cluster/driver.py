@@ -57,12 +57,21 @@ async def _replay(
         rid = f"run{run_id}-{i}"
         try:
             result = await client.agenerate(
-                prompt, session_id=spec.session_id, request_id=rid, max_tokens=spec.output_len, ignore_eos=True
+                prompt,
+                session_id=spec.session_id,
+                request_id=rid,
+                tenant=spec.tenant,
+                max_tokens=spec.output_len,
+                ignore_eos=True,
+                priority=spec.priority,
             )
         except SlotServeError as err:  # refused: bad input or overload (counted as rejected), or lost
             reason = "rejected" if isinstance(err, (ValueError, OverloadedError)) else "error"
             result = Result(rid, None, submitted, finish_reason=reason, error=str(err), completion=time.time())
-        rows.append(request_row(result.trace(spec.prompt_len, spec.output_len, spec.session_id, planned, submitted)))
+        trace = result.trace(
+            spec.prompt_len, spec.output_len, spec.session_id, planned, submitted, spec.priority, spec.tenant
+        )
+        rows.append(request_row(trace))
         moves.extend(result.migrations)
         bar.update(1)
         if len(rows) >= REQUEST_BATCH:

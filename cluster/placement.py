@@ -1,6 +1,6 @@
 """Placing the client's requests on replicas, and moving them when a replica goes.
 
-`Placer.place` routes a request (the router actor's `route_many`, with every request routed in
+`Placer.place` routes a request (the router actor's `admit_many`, with every request routed in
 the same event-loop turn in one call, or the router inside the client,
 `cluster.local_routing`) and submits it to the chosen replica, going on past replicas that are
 dead or draining: at most `MAX_ATTEMPTS` placements of one request in all. A replica's stream
@@ -25,6 +25,7 @@ from typing import Any
 import ray
 
 from cluster.connection import ACTOR_GONE, ClusterError, actor_gone, router_handle, unwrap
+from cluster.held import HeldRequests
 from cluster.local_routing import LocalRouter
 from cluster.loop_thread import LoopThread
 from cluster.streams import Flight, ReplicaFeed, Sink, close_feeds
@@ -32,7 +33,7 @@ from protocol.errors import DrainingError, OverloadedError, RequestLostError, Sl
 from protocol.finish import NATURAL_ENDINGS
 from protocol.messages import MigrationRecord, StreamEvent
 from protocol.replicas import Submission
-from protocol.routing import RouteRequest
+from protocol.routing import Admission, RouteRequest
 
 MAX_ATTEMPTS = 4  # placements of one request (its first and up to three moves)
 ROUTER_RETRY_SECONDS = 30.0
@@ -90,6 +91,7 @@ class Placer:
         self._submissions = TurnBatcher(self._send_submissions)
         self.replicas: dict = loop.run(self.router_call(lambda r: r.replicas.remote(), timeout=60))
         self.local = LocalRouter(self.router, list(self.replicas)) if local_routing else None
+        self.held = HeldRequests(self.router_call, subscriber, lambda: self.router)
 
     def close(self) -> None:
         """End this client's streams on every replica it used (aborting its requests there) and
@@ -125,17 +127,20 @@ class Placer:
         """The replica to send the flight to, or the typed error that refused it. Every request
         routed in the same event-loop turn (a burst of arrivals, the requests of a lost replica)
         goes to the router actor in one call: a Ray call costs far more than a routing
-        decision. A local router answers at once."""
+        decision. A local router answers at once. A request the router's flow control holds
+        waits for its release (`cluster.held`)."""
         if self.local is not None:
             answer = self.local.route_many([flight.route(moved_from)])[0]
         else:
             answer = await self._routes.call(None, flight.route(moved_from))
+        if isinstance(answer, Admission):
+            answer = await self.held.wait(answer.request_id) if answer.held else answer.replica_id
         if isinstance(answer, BaseException):
             raise unwrap(answer)
         return answer
 
-    async def _send_routes(self, _: None, routes: list[RouteRequest]) -> list[str | BaseException]:
-        return await self.router_call(lambda r: r.route_many.remote(routes))
+    async def _send_routes(self, _: None, routes: list[RouteRequest]) -> list[Admission | BaseException]:
+        return await self.router_call(lambda r: r.admit_many.remote(routes, self.subscriber))
 
     async def _send_submissions(self, replica_id: str, submissions: list[Submission]) -> list:
         ref = self.replicas[replica_id].submit_many.remote(self.subscriber, submissions)

@@ -302,6 +302,8 @@ class RouterExporter(RouterTelemetry):
         except SlotServeError:
             self.series.inc("router_rejections_total", 1, self._tags_for(self.router.policy.name, probe))
             raise
+        if decision is None:  # held by flow control: counted there
+            return None
         elapsed = time.perf_counter() - started
         tags = self._tags_for(decision.policy, probe)
         self.series.inc("router_dispatches_total", 1, self._tags_for(decision.policy, probe, decision.replica_id))
@@ -309,6 +311,16 @@ class RouterExporter(RouterTelemetry):
         if decision.signal_age is not None:
             self.series.observe("router_signal_age_seconds", decision.signal_age, tags)
         return decision
+
+    def flow(self, priority: int, tenant: str, outcome: str) -> None:
+        tags = {"routing_policy": self.router.policy.name, "run": self._run}
+        self.series.inc(
+            "router_flow_requests_total", 1, {**tags, "priority": str(priority), "tenant": tenant, "outcome": outcome}
+        )
+
+    def flow_held(self, held_by_band: dict[int, int]) -> None:
+        for band, count in held_by_band.items():
+            self.series.set("router_flow_held", count, {"priority": str(band)})
 
 
 class AutoscalerExporter:

@@ -61,6 +61,8 @@ class Result:
         session_id: str | None = None,
         planned_arrival: float | None = None,
         submitted: float | None = None,
+        priority: int = defaults.PRIORITY,
+        tenant: str = defaults.TENANT,
     ) -> RequestTrace:
         """The request as the metrics store records it (`submitted`: when the driver sent it,
         for its lateness against `planned_arrival`)."""
@@ -79,6 +81,8 @@ class Result:
             planned_arrival=planned,
             submit_lateness=(self.arrival if submitted is None else submitted) - planned,
             cached_tokens=self.cached_tokens,
+            priority=priority,
+            tenant=tenant,
         )
 
 
@@ -96,6 +100,7 @@ class Flight:
     session_id: str | None
     sink: Sink
     prompt_len: int
+    tenant: str = defaults.TENANT  # its class for the router's flow control, with `sampling.priority`
     replica_id: str | None = None
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -126,6 +131,9 @@ class Flight:
         return self.result.request_id
 
     def route(self, moved_from: str | None) -> RouteRequest:
+        """What the router is told; the caller's timeout is its deadline there (wall clock), so
+        flow control refuses it rather than holding it past the time anyone waits for it."""
+        deadline = None if self.deadline is None else time.time() + (self.deadline - time.monotonic())
         return RouteRequest(
             self.request_id,
             self.prompt_len,
@@ -135,6 +143,9 @@ class Flight:
             self.block_size,
             moved_from,
             self.result.arrival,
+            self.sampling.priority,
+            self.tenant,
+            deadline,
         )
 
     def resume(self) -> Resume | None:

@@ -231,6 +231,27 @@ ROWS = (
         ),
     ),
     Row(
+        "Flow control",
+        (
+            Panel(
+                "Requests held by priority band",
+                "timeseries",
+                "short",
+                (Target(f"max by (priority) ({select('router_flow_held')})", "band {{priority}}"),),
+                "requests the router holds for dispatch while every replica is saturated (lower bands go "
+                "first); zero without a flow-control config's holding policy",
+            ),
+            Panel(
+                "Flow control by tenant",
+                "timeseries",
+                "reqps",
+                (Target(rate("router_flow_requests_total", by="tenant, outcome"), "{{tenant}} {{outcome}}"),),
+                "each tenant's requests per second by their way through flow control: dispatched at once, held, "
+                "released from hold, refused (a limit, a deadline, shed)",
+            ),
+        ),
+    ),
+    Row(
         "Autoscaling",
         (
             Panel(

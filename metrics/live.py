@@ -143,6 +143,16 @@ METRICS: dict[str, LiveMetric] = {
         _histogram(
             "router_signal_age_seconds", "age of the oldest load report a decision used", AGE_BUCKETS, ROUTER_LABELS
         ),
+        # ---- the router's flow control (`protocol.flow`), by request class
+        _counter(
+            "router_flow_requests_total",
+            "requests through flow control, by outcome (dispatched at once, held, released from hold, refused)",
+            "priority",
+            "tenant",
+            "outcome",
+            labels=ROUTER_LABELS,
+        ),
+        LiveMetric(PREFIX + "router_flow_held", "gauge", "requests held for dispatch now, by band", ("priority",)),
         # ---- autoscaling controller
         LiveMetric(PREFIX + "autoscaler_replicas", "gauge", "replicas by state", ("autoscaling_policy", "state")),
         _counter(

@@ -57,6 +57,20 @@ class RouterView:
 
 
 @dataclass(frozen=True)
+class Admission:
+    """The router actor's answer to a client placing a request (`RouterActor.admit_many`): the
+    replica to send it to, or None while flow control holds it, whose `Released` comes later to
+    the client that sent it (`RouterActor.released`)."""
+
+    request_id: str
+    replica_id: str | None
+
+    @property
+    def held(self) -> bool:
+        return self.replica_id is None
+
+
+@dataclass(frozen=True)
 class Released:
     """A request flow control held (`Router.submit` answered None) that has since left the
     queue: dispatched, with its `decision`, or refused, with its `refusal` (its deadline or its

@@ -51,3 +51,10 @@ class RouterTelemetry:
 
     def set_run(self, run_id: int | None) -> None:
         """Counts from now on belong to this run."""
+
+    def flow(self, priority: int, tenant: str, outcome: str) -> None:
+        """A request's way through flow control: "dispatched" at once, "held", "released" from
+        hold to a replica, or "refused" (a tenant's limit, its deadline, shed)."""
+
+    def flow_held(self, held_by_band: dict[int, int]) -> None:
+        """The requests flow control holds now, per priority band."""

@@ -59,22 +59,29 @@ from ray.actor import ActorHandle
 from protocol import defaults
 from protocol.backlog import StoreBacklog
 from protocol.errors import SlotServeError
+from protocol.flow import FlowConfig
 from protocol.messages import Completion, HealthReport, KvEvents, LoadReport
 from protocol.records import Decision, JsonObject
 from protocol.replicas import Unreachable
-from protocol.routing import RouteRequest, RouterView
+from protocol.routing import Admission, Released, RouteRequest, RouterView
 from protocol.scaling import ArrivalWindow, ScalingView
 from protocol.telemetry_hooks import RouterTelemetry
 from router.pd_router import PdPools, PdRouter
 from router.policies import DEFAULT_POLICY
+from router.release_box import ReleaseBox
 from router.router import Router
 
 ROUTER_ACTOR_NAME = "slotserve-router"
 FLUSH_EVERY = 100
 KV_LOG_BATCHES = 64  # K/V event batches kept per replica for the clients that route locally
+RELEASE_WAITERS = 64  # clients' long polls for held requests (`released`) waiting at once
+TICK_SECONDS = 0.05  # how often, while flow control holds requests, their deadlines are looked at
+GAUGE_REFRESH_SECONDS = 1.0
 
 
-@ray.remote(num_cpus=0)
+# Flow control's long polls wait on threads of their own: the default group stays one thread,
+# so every method that changes the router still runs alone.
+@ray.remote(num_cpus=0, concurrency_groups={"release": RELEASE_WAITERS})
 class RouterActor:
     def __init__(
         self,
@@ -90,6 +97,7 @@ class RouterActor:
         telemetry=None,
         pools: PdPools | None = None,
         tpot_slo: float = defaults.TPOT_SLO,
+        flow: FlowConfig | None = None,
     ):
         """`store`, if given, receives `add_decision_records.remote(run_id, decisions)` every `flush_every`
         decisions and on `flush()`. Decisions are recorded only inside a run (from
@@ -99,7 +107,9 @@ class RouterActor:
         instead of a handle: a router Ray restarts after its creator has gone then finds them
         again by name, where handles passed by reference would be gone with their owner.
         `pools`: the replicas' prefill/decode roles and the P/D decider (`router.pd_router`).
-        `tpot_slo`: the TPOT limit of the SLO runs are judged by (see `Router`)."""
+        `tpot_slo`: the TPOT limit of the SLO runs are judged by (see `Router`). `flow`: flow
+        control (`protocol.flow`): a request `admit_many` holds is answered so (`Admission.held`),
+        and its client takes its dispatch or refusal from `released`."""
         # Restarted by Ray: the replicas were registered long ago, so a name that is gone now
         # belonged to a replica drained since; it stays down, as `gone`, until the autoscaling
         # controller, which gives back the replicas it added, has it removed.
@@ -107,7 +117,7 @@ class RouterActor:
         found = {r: _actor(h, 0.0 if restarted else 60.0, missing_ok=restarted) for r, h in replica_handles.items()}
         self._handles = {replica_id: h for replica_id, h in found.items() if h is not None}
         store = _actor(store) if store is not None else None
-        bounds = {"max_in_flight_per_replica": max_in_flight_per_replica, "max_in_flight": max_in_flight}
+        bounds = {"max_in_flight_per_replica": max_in_flight_per_replica, "max_in_flight": max_in_flight, "flow": flow}
         if pools is None:
             self._router = Router(list(replica_handles), policy, seed=seed, tpot_slo=tpot_slo, **bounds)
         else:  # prefill and decode pools (router.pd_router)
@@ -142,17 +152,25 @@ class RouterActor:
             threading.Thread(
                 target=self._watch, args=(health_period, health_timeout), daemon=True, name="slotserve-health"
             ).start()
+        self._releases = ReleaseBox()
+        self._held_class: dict[str, tuple[int, str]] = {}  # held request id -> its priority and tenant
+        self._last_held: dict[int, int] = {}
+        if flow is not None:
+            threading.Thread(target=self._tick_while_held, daemon=True, name="slotserve-flow-ticks").start()
 
     def route(self, request: RouteRequest) -> str:
         """The id of the replica to send the request to (its handle is in `replicas()`).
         Raises OverloadedError when the bounds are reached or no replica is up."""
         decision = self._telemetry.route(self._router.route, request)
+        self._count_arrival(request)
+        self._take_decisions()
+        return decision.replica_id
+
+    def _count_arrival(self, request: RouteRequest) -> None:
         if request.moved_from is None:
             self._arrived += 1
             self._arrived_prompt += request.prompt_len
             self._arrived_output += request.max_tokens
-        self._take_decisions()
-        return decision.replica_id
 
     def route_many(self, requests: list[RouteRequest]) -> list[str | SlotServeError]:
         """`route` for several requests in one call. A call through Ray costs far more than a
@@ -167,17 +185,97 @@ class RouterActor:
                 answers.append(err)
         return answers
 
+    def admit_many(self, requests: list[RouteRequest], client: str) -> list[Admission | SlotServeError]:
+        """`route_many` under flow control, for `client`: each request's `Admission`, held (its
+        `Released` comes from `released`) or with its replica, or the error that refused it
+        (also an unknown priority, a tenant over its limit). A move is never held: it was
+        admitted once. Without a flow config nothing is held."""
+        answers: list[Admission | SlotServeError] = []
+        for request in requests:
+            try:
+                if self._router.flow is None or request.moved_from is not None:
+                    answers.append(Admission(request.request_id, self.route(request)))
+                else:
+                    answers.append(self._submit(request, client))
+            except SlotServeError as err:
+                answers.append(err)
+        self._pass_released()
+        return answers
+
+    def _submit(self, request: RouteRequest, client: str) -> Admission:
+        try:
+            decision = self._telemetry.route(self._router.submit, request)
+        except SlotServeError:
+            self._telemetry.flow(request.priority, request.tenant, "refused")
+            raise
+        self._count_arrival(request)
+        if decision is not None:
+            self._telemetry.flow(request.priority, request.tenant, "dispatched")
+            return Admission(request.request_id, decision.replica_id)
+        self._telemetry.flow(request.priority, request.tenant, "held")
+        self._held_class[request.request_id] = (request.priority, request.tenant)
+        self._releases.hold(request.request_id, client)
+        return Admission(request.request_id, None)
+
+    @ray.method(concurrency_group="release")
+    def released(self, client: str, timeout: float) -> list[Released]:
+        """The `client`'s held requests dispatched or refused since its last call, waiting up to
+        `timeout` seconds for one (a long poll, on a thread of its own)."""
+        return self._releases.take(client, timeout)
+
+    def withdraw(self, request_id: str) -> bool:
+        """A held request's caller left: it is never dispatched."""
+        self._held_class.pop(request_id, None)
+        return self._router.withdraw(request_id)
+
+    def tick(self) -> None:
+        """Refuse held requests past their deadline, and dispatch what the view allows."""
+        self._router.tick()
+        self._pass_released()
+
+    def _tick_while_held(self) -> None:
+        """Ask for a `tick` while requests are held; and set the held-per-band gauge again every
+        `GAUGE_REFRESH_SECONDS` from the last count (Ray exports a gauge no one sets for a while no
+        more), reading only that count, which the method thread replaces whole."""
+        me = ray.get_runtime_context().current_actor
+        refreshed = time.monotonic()
+        while True:
+            time.sleep(TICK_SECONDS)
+            if self._releases.num_held:
+                me.tick.remote()
+            if time.monotonic() - refreshed >= GAUGE_REFRESH_SECONDS:
+                self._telemetry.flow_held(self._last_held)
+                refreshed = time.monotonic()
+
+    def _pass_released(self) -> None:
+        """Held requests the last change released, to their clients (decisions to the store)."""
+        if self._router.flow is not None:
+            released = self._router.take_released()
+            if released:
+                for item in released:
+                    if (klass := self._held_class.pop(item.request_id, None)) is not None:
+                        self._telemetry.flow(*klass, "released" if item.decision is not None else "refused")
+                self._releases.put(released)
+                self._take_decisions()
+            held = self._router.flow.held_by_band()
+            if held != self._last_held:
+                self._telemetry.flow_held(held)
+                self._last_held = held
+
     def replicas(self) -> dict[str, ActorHandle]:
         return dict(self._handles)
 
     def complete(self, request_id: str, replica_id: str | None = None, output_len: int | None = None) -> bool:
         """See `Router.complete` (the same arguments in the same order)."""
-        return self._router.complete(request_id, replica_id, output_len)
+        done = self._router.complete(request_id, replica_id, output_len)
+        self._pass_released()
+        return done
 
     def complete_many(self, completions: list[Completion]) -> None:
         """`complete` for the requests that ended in one loop turn of a replica, in one call."""
         for done in completions:
             self._router.complete(done.request_id, done.replica_id, done.output_len)
+        self._pass_released()
 
     def sync(self, decisions: list[Decision], kv_next: dict[str, int] | None = None) -> RouterView:
         """For a client that routes on its own (`cluster.local_routing`): record its decisions
@@ -348,6 +446,7 @@ class RouterActor:
         for replica_id in self._router.block_index.take_snapshot_requests():
             if (handle := self._handles.get(replica_id)) is not None:
                 handle.request_kv_snapshot.remote()
+        self._pass_released()
         return kept
 
     def status(self) -> JsonObject:

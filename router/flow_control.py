@@ -50,7 +50,7 @@ class FlowInvariantViolation(SlotServeError, RuntimeError):
 
 
 @dataclass(slots=True)
-class Held:
+class Waiting:
     request: RouteRequest
     since: float
     seq: int  # arrival order among held requests
@@ -95,8 +95,8 @@ class FlowController:
 
     def __init__(self, config: FlowConfig, clock: Clock):
         self.config, self.clock = config, clock
-        self._bands: dict[int, dict[str, deque[Held]]] = {band: {} for band in config.priorities}
-        self._held: dict[str, Held] = {}
+        self._bands: dict[int, dict[str, deque[Waiting]]] = {band: {} for band in config.priorities}
+        self._held: dict[str, Waiting] = {}
         self._expiries: list[tuple[float, int, str]] = []  # heap; entries of released requests left in
         self._seq = itertools.count()
         self.counters: dict[str, float] = {}  # tenant -> VTC counter: weighted tokens over its weight
@@ -107,15 +107,19 @@ class FlowController:
         self.refused = {"limit": 0, "expired": 0, "shed": 0}
 
     # ---- the policy's one decision (and `fcfs`'s) -------------------------------------------
-    def _next_tenant(self, queues: dict[str, deque[Held]]) -> str:
+    def _next_tenant(self, queues: dict[str, deque[Waiting]]) -> str:
         """The tenant of the band whose held request goes next."""
         return min(queues, key=lambda tenant: queues[tenant][0].seq)
 
-    def holds(self, saturated: Callable[[], bool]) -> bool:
-        """Whether a new request is held rather than routed now: while others are held already
-        (it must not pass them), or the cluster is saturated (asked only then: it looks at
-        every replica)."""
-        return bool(self._held) or saturated()
+    def holds(self, priority: int, saturated: Callable[[], bool]) -> bool:
+        """Whether a new request of band `priority` is held rather than routed now: while others
+        as urgent or more are held already (it must not pass them), or the cluster is saturated
+        for it (asked only then: it looks at every replica)."""
+        return self.next_band() is not None and self.next_band() <= priority or saturated()
+
+    def next_band(self) -> int | None:
+        """The most urgent band that holds a request (None: none held)."""
+        return next((band for band, queues in self._bands.items() if queues), None)
 
     # ---- admission and holding -------------------------------------------------------------
     def admit(self, request: RouteRequest) -> None:
@@ -148,7 +152,7 @@ class FlowController:
         now = self.clock.now()
         wait = self.config.max_wait.get(request.priority, math.inf)
         expires = min(now + wait, math.inf if request.deadline is None else request.deadline)
-        held = Held(request, now, next(self._seq), expires)
+        held = Waiting(request, now, next(self._seq), expires)
         queues = self._bands[request.priority]
         if request.tenant not in queues:
             self._lift(request.tenant, request.priority)
@@ -192,7 +196,7 @@ class FlowController:
             refused.append(self._refusal(held, bound, math.ceil(held.expires - held.since), detail))
         return refused
 
-    def _held_entry(self, entry: tuple[float, int, str]) -> Held | None:
+    def _held_entry(self, entry: tuple[float, int, str]) -> Waiting | None:
         """The held request an expiry entry stands for; None once it left the queues (an entry
         is left in the heap then, and its request may since be held again, under a new seq)."""
         held = self._held.get(entry[2])
@@ -204,14 +208,14 @@ class FlowController:
             heapq.heappop(self._expiries)
         return self._expiries[0][0] if self._expiries else None
 
-    def _refusal(self, held: Held, where: str, limit: int, detail: str) -> Released:
+    def _refusal(self, held: Waiting, where: str, limit: int, detail: str) -> Released:
         ahead = sum(
             len(q) for band, queues in self._bands.items() if band <= held.request.priority for q in queues.values()
         )
         error = OverloadedError(where, limit, self._drain.retry_after(ahead + 1), detail)
         return Released(held.request.request_id, refusal=error)
 
-    def _remove(self, held: Held, from_tail: bool = False) -> None:
+    def _remove(self, held: Waiting, from_tail: bool = False) -> None:
         request = held.request
         queues = self._bands[request.priority]
         queue = queues[request.tenant]
@@ -222,6 +226,14 @@ class FlowController:
         if not queue:
             del queues[request.tenant]
         del self._held[request.request_id]
+
+    def withdraw(self, request_id: str) -> bool:
+        """Drop a held request whose caller has gone: it is never dispatched (False: not held)."""
+        held = self._held.get(request_id)
+        if held is None:
+            return False
+        self._remove(held)
+        return True
 
     # ---- dispatch and service --------------------------------------------------------------
     @property
@@ -298,7 +310,7 @@ class FcfsFlow(FlowController):
 
     name = "fcfs"
 
-    def holds(self, saturated: Callable[[], bool]) -> bool:
+    def holds(self, priority: int, saturated: Callable[[], bool]) -> bool:
         return False
 
 
@@ -307,7 +319,7 @@ class VtcFlow(FlowController):
 
     name = "vtc"
 
-    def _next_tenant(self, queues: dict[str, deque[Held]]) -> str:
+    def _next_tenant(self, queues: dict[str, deque[Waiting]]) -> str:
         return min(queues, key=lambda tenant: (self.counters.get(tenant, 0.0), queues[tenant][0].seq))
 
 

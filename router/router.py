@@ -22,7 +22,7 @@ and with policy "fcfs", nothing is ever held."""
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict
 
 from protocol import defaults
@@ -89,6 +89,8 @@ class Router:
         # (`_choose`; a two-pool router's choose among a pool's)
         self._every_routable = False
         self.flow: FlowController | None = None if flow is None else make_flow_controller(flow, self.clock)
+        self._band_of: dict[str, tuple[str, int]] = {}  # request in flight -> its replica and band
+        self._bands_on: dict[str, Counter[int]] = {}  # replica -> its requests in flight per band
         self._released: list[Released] = []
 
     @property
@@ -138,6 +140,8 @@ class Router:
             believed_cached=policy.believed_cached(request, chosen),
         )
         self.load.dispatched(decision.replica_id, request.request_id)
+        if self.flow is not None:
+            self._placed(request.request_id, decision.replica_id, request.priority)
         policy.dispatched(request, decision.replica_id, now)
         if len(self._decisions) == self._decisions.maxlen:
             self.decisions_dropped += 1
@@ -155,7 +159,7 @@ class Router:
         if flow is None:
             return self.route(request)
         flow.admit(request)
-        if not flow.holds(self._saturated):
+        if not flow.holds(request.priority, lambda: self._saturated(request.priority)):
             return self._dispatch(request)
         self._released += flow.hold(request)
         self._release()
@@ -171,6 +175,10 @@ class Router:
         if self.flow is not None and self.flow.num_held:
             self._release()
 
+    def withdraw(self, request_id: str) -> bool:
+        """Forget a held request whose caller left before it was dispatched."""
+        return self.flow is not None and self.flow.withdraw(request_id)
+
     def next_tick(self) -> float | None:
         """When `tick` next has a deadline to refuse (None: none held has one)."""
         return None if self.flow is None else self.flow.next_expiry()
@@ -185,17 +193,34 @@ class Router:
         replica is not saturated."""
         flow = self.flow
         self._released += flow.expire()
-        while flow.num_held and not self._saturated():
+        while (band := flow.next_band()) is not None and not self._saturated(band):
             request = flow.pop_next()
             self._released.append(Released(request.request_id, decision=self._dispatch(request)))
 
-    def _saturated(self) -> bool:
-        """Every routable replica is saturated (`protocol.flow.SaturationConfig`), or none is
-        routable, or the router's own bound on requests in flight is reached."""
+    def _saturated(self, priority: int) -> bool:
+        """No replica can take a request of band `priority` now: every routable replica is
+        saturated (`protocol.flow.SaturationConfig`) and none runs a request less urgent than it
+        (a replica's scheduler lets a more urgent request take such a one's place, so holding
+        it here would only make it wait), or none is routable, or the router's own bound on
+        requests in flight is reached."""
         if not len(self.load.routable) or self.load.up_in_flight >= self.max_in_flight:
             return True
+        if any(band > priority for bands in self._bands_on.values() for band in bands):
+            return False
         config, now = self.flow.config.saturation, self.clock.now()
         return all(replica_saturated(view, config) for view in self.load.routable_views(now))
+
+    def _placed(self, request_id: str, replica_id: str | None, priority: int = 0) -> None:
+        """Keep the bands in flight on each replica (a placement, or `replica_id` None: its end)."""
+        old = self._band_of.pop(request_id, None)
+        if old is not None:
+            bands = self._bands_on[old[0]]
+            bands[old[1]] -= 1
+            if not bands[old[1]]:
+                del bands[old[1]]
+        if replica_id is not None:
+            self._band_of[request_id] = (replica_id, priority)
+            self._bands_on.setdefault(replica_id, Counter())[priority] += 1
 
     def _choose(self, request: RouteRequest, now: float) -> tuple[RoutingPolicy, list[ReplicaView], int, list[float]]:
         """The policy that chose, the replicas it chose among, the index of its choice and its
@@ -248,6 +273,7 @@ class Router:
         lost = self.load.forget_in_flight(replica_id)
         if self.flow is not None:
             for request_id in lost:  # charged as dispatched: what it made there was served
+                self._placed(request_id, None)
                 self.flow.completed(request_id, None)
         return lost
 
@@ -280,6 +306,7 @@ class Router:
         if done:
             self._completions.add(self.clock.now())
             if self.flow is not None:
+                self._placed(request_id, None)
                 self.flow.completed(request_id, output_len)
                 self.tick()
         return done

@@ -381,7 +381,7 @@ class Simulator:
         try:
             replica.engine.add_request(
                 prompt,
-                {"max_tokens": spec.output_len, "ignore_eos": True},
+                {"max_tokens": spec.output_len, "ignore_eos": True, "priority": spec.priority},
                 request_id=rid,
                 arrival_time=sent,
                 oracle_output_len=spec.output_len,

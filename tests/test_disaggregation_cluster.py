@@ -24,7 +24,7 @@ from protocol.clock import FakeClock
 from protocol.handover import KvLink
 from protocol.messages import LoadReport
 from protocol.routing import RouteRequest
-from replica import EngineConfig
+from replica import Engine, EngineConfig
 from replica.model.fake import DEFAULT_KV_BYTES_PER_TOKEN, ScriptedFakeRunner
 from replica.serving.loop import ReplicaConfig
 from router.pd_router import PdPools, PdRouter
@@ -331,7 +331,7 @@ def test_a_drain_moves_decoding_requests_kv_instead_of_recomputing(local_ray):
 def test_default_model_disaggregated_equals_colocated(local_ray):
     """SmolLM2-135M (fp32, paged cache with prefix caching, chunked prefill): the correctness
     suite's prompts on 1 prefill + 1 decode replica (every prompt disaggregated) give the greedy
-    and the seeded tokens of one colocated replica; each hand-over sends the prompt's K/V, 46,080 bytes a
+    and the seeded tokens of one colocated engine; each hand-over sends the prompt's K/V, 46,080 bytes a
     token (30 layers x 3 K/V heads x 64 x K and V x 4 bytes), and its bytes and seconds are
     printed."""
     from replica.model.loader import load_hf_model
@@ -362,9 +362,11 @@ def test_default_model_disaggregated_equals_colocated(local_ray):
         finally:
             client.close()
 
-    start_cluster(ClusterSpec(num_replicas=1, replica=replica, store_path=str(local_ray / "c.db")))
-    colocated = [r.token_ids for r in greedy_and_seeded()]
-    stop_cluster()
+    # One colocated engine, in process (a Ray replica is token-equal to it: test_cluster.py's
+    # test_default_model_cluster_matches_single_engine), the same requests and params.
+    params = [{"max_tokens": n} for _, n in cases]
+    params += [{"max_tokens": n, "seed": 7 + i, **seeded} for i, (_, n) in enumerate(cases)]
+    colocated = [c.token_ids for c in Engine(engine).generate([p for p, _ in cases] * 2, params)]
     start_cluster(pd_spec(local_ray / "pd.db", replica, threshold=0))
     results = greedy_and_seeded()
     assert [r.token_ids for r in results] == colocated

@@ -36,6 +36,7 @@ from dashboards.queries import fill, panel_queries
 from dashboards.render import render
 from metrics.definitions import SLO
 from metrics.store import MetricsStore
+from protocol.flow import FlowConfig
 from protocol.routing import RouteRequest
 from replica import EngineConfig
 from replica.serving.loop import ReplicaConfig
@@ -96,6 +97,7 @@ def live(tmp_path_factory):
                 store_path=str(tmp / "store.db"),
                 slo=SLO(ttft=5.0, tpot=0.5),
                 autoscale=HELD_AT_TWO,
+                flow=FlowConfig(),  # fcfs: the flow-control panels have their series, and nothing is held
             )
         )
         discovery = write_service_discovery()

@@ -46,6 +46,7 @@ from metrics.live import LATENCY_BUCKETS
 from protocol.messages import StreamEvent
 
 SESSION_HEADER = "x-session-id"  # the session id when the body gives no `user`
+PRIORITY_HEADER = "x-priority"  # the request's priority when the body gives no `priority`
 GENERATION_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
 DESCRIPTION = (
     "OpenAI-compatible API of a slotserve cluster. Sampling defaults are OpenAI's: `temperature` 1.0 "
@@ -196,7 +197,8 @@ def create_app(ingress: Ingress, api_key: str | None = None) -> FastAPI:
     async def _generate(body: CompletionRequest | ChatCompletionRequest, request: Request, chat: bool) -> Response:
         arrival = time.time()
         try:
-            prepared = ingress.prepare(body, request.headers.get(SESSION_HEADER), arrival)
+            headers = request.headers
+            prepared = ingress.prepare(body, headers.get(SESSION_HEADER), arrival, headers.get(PRIORITY_HEADER))
         except OpenAIError as err:
             ingress.record_invalid(err, chat, arrival)
             raise

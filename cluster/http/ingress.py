@@ -23,8 +23,10 @@ from cluster.client import Client, ClusterError, Result
 from cluster.http.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from cluster.http.recorder import RunRecorder
 from metrics.definitions import RequestTrace
+from protocol import defaults
 from protocol.errors import DrainingError, OverloadedError, SlotServeError
 from protocol.finish import FinishReason
+from protocol.flow import UnknownPriorityError
 from protocol.messages import StreamEvent
 from replica.errors import InvalidRequestError, RequestTooLongError
 from replica.scheduling.request import SamplingParams, validate_prompt
@@ -56,6 +58,11 @@ class Prepared:
     params: dict[str, Any]
     session_id: str | None
     arrival: float
+    tenant: str = defaults.TENANT
+
+    @property
+    def priority(self) -> int:
+        return self.params["priority"]
 
     @property
     def max_tokens(self) -> int:
@@ -64,7 +71,7 @@ class Prepared:
 
 def http_error(err: SlotServeError) -> OpenAIError:
     """The HTTP answer to an error the client or a replica raised on purpose."""
-    if isinstance(err, InvalidRequestError):
+    if isinstance(err, (InvalidRequestError, UnknownPriorityError)):
         code = "context_length_exceeded" if isinstance(err, RequestTooLongError) else None
         return OpenAIError(400, f"{err.field}: {err.reason}", param=err.field, code=code)
     if isinstance(err, DrainingError):
@@ -95,11 +102,24 @@ class Ingress:
 
     # ---- before the cluster ---------------------------------------------------------------
     def prepare(
-        self, body: CompletionRequest | ChatCompletionRequest, session_header: str | None, arrival: float
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        session_header: str | None,
+        arrival: float,
+        priority_header: str | None = None,
     ) -> Prepared:
         """Every check that needs no replica; raises OpenAIError (400 naming the field, 404 for
-        another model)."""
+        another model). The priority is the body's, else the X-Priority header's; the tenant is
+        the `user` (the default tenant's without one)."""
         body.check_supported()
+        priority = body.priority
+        if priority is None and priority_header is not None:
+            try:
+                priority = int(priority_header)
+            except ValueError:
+                raise OpenAIError(
+                    400, f"priority: X-Priority must be an integer, got {priority_header!r:.40}", param="priority"
+                ) from None
         if body.model != self.model.name:
             raise OpenAIError(
                 404, f"The model `{body.model}` does not exist; this server serves `{self.model.name}`.",
@@ -121,12 +141,13 @@ class Ingress:
                 param=where if len(prompt_ids) >= limit else "max_tokens",
                 code="context_length_exceeded",
             )
-        params = body.sampling(max_tokens)
+        params = body.sampling(max_tokens, defaults.PRIORITY if priority is None else priority)
         try:
             SamplingParams.parse(params)
         except InvalidRequestError as err:
             raise http_error(err) from None
-        return Prepared(request_id(chat), prompt_ids, params, body.user or session_header, arrival)
+        session = body.user or session_header
+        return Prepared(request_id(chat), prompt_ids, params, session, arrival, body.user or defaults.TENANT)
 
     def record_invalid(self, err: OpenAIError, chat: bool, arrival: float) -> None:
         """Record a request refused before it reached the cluster (a 400 or 404) in the run,
@@ -170,7 +191,9 @@ class Ingress:
         """The request's events from its replica; however it ends (finished, refused, or the
         consumer leaving, which aborts it on the replica) its trace is recorded once."""
         result = Result(prepared.request_id, None, prepared.arrival)
-        stream = self.client.astream(prepared.prompt_ids, prepared.session_id, prepared.request_id, **prepared.params)
+        stream = self.client.astream(
+            prepared.prompt_ids, prepared.session_id, prepared.request_id, tenant=prepared.tenant, **prepared.params
+        )
         try:
             async for event in stream:
                 result.replica_id = event.replica_id
@@ -188,7 +211,14 @@ class Ingress:
                 result.completion = time.time()
             if self.recorder is not None:
                 self.recorder.record(
-                    result.trace(len(prepared.prompt_ids), prepared.max_tokens, prepared.session_id, prepared.arrival)
+                    result.trace(
+                        len(prepared.prompt_ids),
+                        prepared.max_tokens,
+                        prepared.session_id,
+                        prepared.arrival,
+                        priority=prepared.priority,
+                        tenant=prepared.tenant,
+                    )
                 )
 
     async def health(self) -> tuple[bool, dict[str, str]]:

@@ -2,7 +2,7 @@
 body, and the response and stream-chunk bodies, as OpenAI and vLLM write them.
 
 Requests accept OpenAI's fields and vLLM's extensions that slotserve implements (`top_k`,
-`min_tokens`, `ignore_eos`, `stop_token_ids`, `return_token_ids`). A field OpenAI defines but
+`min_tokens`, `ignore_eos`, `stop_token_ids`, `return_token_ids`, `priority`). A field OpenAI defines but
 slotserve does not implement (`logprobs`, `echo`, penalties, `logit_bias`, tools...) is a 400
 naming it when it asks for something, never silently ignored; an unknown field is a 400 too,
 as OpenAI answers. Response bodies are plain dicts: a stream chunk is built once per engine
@@ -74,7 +74,14 @@ class _GenerationRequest(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(None, description="the session id, for session-affinity routing")
+    user: str | None = Field(
+        None, description="the session id, for session-affinity routing, and the tenant flow control shares among"
+    )
+    priority: int | None = Field(
+        None,
+        description="vLLM extension: the request's band in the router's flow control, lower served first; "
+        "left out: the X-Priority header's, else 0",
+    )
     ignore_eos: bool = False
     min_tokens: int = 0
     return_token_ids: bool = Field(False, description="vLLM extension: each choice carries its token ids")
@@ -92,7 +99,7 @@ class _GenerationRequest(BaseModel):
         if self.logit_bias:
             raise unsupported("logit_bias", "logit_bias")
 
-    def sampling(self, max_tokens: int) -> dict[str, Any]:
+    def sampling(self, max_tokens: int, priority: int) -> dict[str, Any]:
         """The request as `replica.scheduling.request.SamplingParams` fields (validated there, so a bad
         value is a 400 naming the same field)."""
         return {
@@ -105,6 +112,7 @@ class _GenerationRequest(BaseModel):
             "stop_token_ids": self.stop_token_ids or [],
             "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens,
+            "priority": priority,
         }
 
     @property

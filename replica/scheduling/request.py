@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from protocol import defaults
 from protocol.finish import FinishReason
 from protocol.handover import Handover
 from replica.errors import InvalidRequestError
@@ -69,6 +70,9 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, description="tokens to make before EOS or a stop may end the request")
+    # Not a sampling choice, but it travels with them to the replica on every path (client,
+    # simulator, hand-over), as vLLM's `priority` goes with a request to its scheduler.
+    priority: int = Field(defaults.PRIORITY, description="lower is admitted first, and may preempt a higher one")
 
     @field_validator("temperature", "top_p", mode="before")
     @classmethod
@@ -169,6 +173,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def priority(self) -> int:
+        return self.params.priority
 
     @property
     def num_tokens(self) -> int:

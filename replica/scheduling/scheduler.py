@@ -156,8 +156,21 @@ class Scheduler:
 
     # ---- the queue -----------------------------------------------------------------
     def add(self, request: Request) -> None:
+        """Queue behind every waiting request as urgent or more (lower priority first, FCFS
+        within a priority)."""
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self._queue(request, at_front_of_band=False)
+
+    def _queue(self, request: Request, at_front_of_band: bool) -> None:
+        waiting, priority = self.waiting, request.priority
+        if not waiting or (waiting[-1].priority <= priority and not at_front_of_band):
+            waiting.append(request)  # the one-priority case, whatever the traffic's size
+            return
+        for i, other in enumerate(waiting):
+            if other.priority > priority or (at_front_of_band and other.priority == priority):
+                waiting.insert(i, request)
+                return
+        waiting.append(request)
 
     @property
     def arrivals_done(self) -> bool:
@@ -203,6 +216,7 @@ class Scheduler:
                 out.chunks.append(ScheduledChunk(request, start, num, is_decode))
                 budget -= num
         if self.waiting and self._admission_open(self.clock.now()):
+            self._preempt_for_priority(out)
             for request in self._admission_order():
                 hit = self.slots.cached_prefix_tokens(request)  # prefix caching: K/V already computed
                 cached = max(hit, request.num_kv_in)  # or handed over with it, written on admission
@@ -223,11 +237,32 @@ class Scheduler:
         out.held_rows = list(self.held) if out.chunks else []
         return out
 
+    def _victim(self) -> Request:
+        """The running request to preempt first: the least urgent, the youngest among those."""
+        running = self.running
+        last = running[-1]
+        if running[0].priority == last.priority and all(r.priority == last.priority for r in running):
+            return last
+        return max(reversed(running), key=lambda r: r.priority)
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """The most urgent waiting request that cannot start for want of a slot or K/V takes the
+        place of running requests less urgent than it (vLLM's priority scheduling): rows this
+        step has not planned yet, so the step's plan holds only requests that keep their place."""
+        head = self.waiting[0]
+        while self.running and not self.slots.can_admit(head, self.slots.cached_prefix_tokens(head) + 1):
+            victim = self._victim()
+            if victim.priority <= head.priority:
+                return
+            self._preempt(victim)
+            out.preempted.append(victim)
+            out.chunks = [c for c in out.chunks if c.request is not victim]
+
     def _reserve(self, request: Request, total: int, out: SchedulerOutput) -> bool:
-        """Reserve K/V for `request`, preempting the youngest running requests while it does
-        not fit. False when `request` itself had to go."""
+        """Reserve K/V for `request`, preempting running requests (the least urgent, the
+        youngest first) while it does not fit. False when `request` itself had to go."""
         while not self.slots.reserve(request, total):
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim)
             out.preempted.append(victim)
             out.chunks = [c for c in out.chunks if c.request is not victim]
@@ -244,7 +279,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._queue(request, at_front_of_band=True)
         self._release_held_if_drained()
 
     def advance(self, out: SchedulerOutput) -> None:
