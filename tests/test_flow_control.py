@@ -302,3 +302,23 @@ def test_a_request_held_twice_is_an_error_and_its_old_deadline_never_refuses_it_
     c.router.tick()
     c.check()
     assert c.released == [] and c.router.next_tick() == 5.0
+
+
+def test_a_request_more_urgent_than_one_running_is_not_held_and_never_passes_the_held():
+    """Saturated with a batch request in flight: an urgent one goes at once (its replica's
+    scheduler lets it take the batch request's place), another batch one is held; once only
+    urgent work runs, a new urgent request is held like the rest, and is released first."""
+    c = Cluster(free=0)
+    batch, decision = c.submit(priority=2)
+    assert decision is not None
+    held_batch = c.submit(priority=2)
+    assert held_batch[1] is None  # saturated, and nothing less urgent than it runs
+    urgent, decision = c.submit(priority=0)
+    assert decision is not None and decision.replica_id == "r0"
+    c.complete(batch.request_id, 10)
+    assert c.released == []  # the urgent one in flight keeps the replica saturated
+    held_urgent = c.submit(priority=0)
+    assert held_urgent[1] is None  # only band 0 runs now: nothing for it to pass
+    assert c.submit(priority=1)[1] is None
+    c.complete(urgent.request_id, 10)
+    assert [r.request_id for r in c.released] == [held_urgent[0].request_id]
