@@ -26,10 +26,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.flow is not None and args.ingress_routing == "local":
         raise SystemExit("--flow holds requests at the router actor, so it needs --ingress-routing actor")
+    flow = common.flow_config(args.flow)
     ensure_ray(args.address, start_local=False)
     if common.running_cluster(args.address):
         deployment = find_cluster()
-        print("joined the slotserve cluster running on this Ray cluster", flush=True)
+        note = "; --flow gives only its tenants' API keys here: the router keeps its own flow control" if flow else ""
+        print(f"joined the slotserve cluster running on this Ray cluster{note}", flush=True)
     else:
         spec = common.cluster_spec(args)
         model = common.model_label(spec.replica)
@@ -42,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         served_name=args.served_model_name,
         api_key=args.api_key,
+        tenant_keys={} if flow is None else flow.tenant_keys(),
         run_id=recorder.run_id,
         routing=args.ingress_routing,
     )
@@ -49,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"serving the OpenAI API of model `{args.served_model_name or info.model}` at "
         f"http://{args.host}:{args.port}/v1 from {len(ingresses)} ingress process(es) "
-        f"({'API key required' if args.api_key else 'no API key'}); recording run {recorder.run_id}; Ctrl-C stops",
+        f"({'API key required' if args.api_key or config.tenant_keys else 'no API key'}); recording run "
+        f"{recorder.run_id}; Ctrl-C stops",
         flush=True,
     )
     stopped = threading.Event()

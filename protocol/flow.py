@@ -80,6 +80,9 @@ class TenantConfig(_Section):
         None, description="prompt + max_tokens tokens admitted per second, at most"
     )
     burst: PositiveFloat = Field(1.0, description="seconds of each rate a full bucket holds")
+    api_keys: list[str] = Field(
+        default_factory=list, description="HTTP API keys that authenticate as this tenant (`slotserve serve`)"
+    )
 
 
 class SaturationConfig(_Section):
@@ -119,7 +122,17 @@ class FlowConfig(_Section):
         unknown = sorted(set(self.max_wait) - set(self.priorities))
         if unknown:
             raise ValueError(f"max_wait names band {unknown[0]}, not one of priorities {self.priorities}")
+        self.tenant_keys()
         return self
+
+    def tenant_keys(self) -> dict[str, str]:
+        """Each tenant's API keys: key -> tenant (a key of two tenants is an error)."""
+        keys: dict[str, str] = {}
+        for name, tenant in self.tenants.items():
+            for key in tenant.api_keys:
+                if keys.setdefault(key, name) != name:
+                    raise ValueError(f"tenants {keys[key]!r} and {name!r} share an API key")
+        return keys
 
     def tenant(self, name: str) -> TenantConfig:
         """The tenant's config; one the file does not name has the defaults (no limits, weight 1)."""

@@ -322,3 +322,11 @@ def test_a_request_more_urgent_than_one_running_is_not_held_and_never_passes_the
     assert c.submit(priority=1)[1] is None
     c.complete(urgent.request_id, 10)
     assert [r.request_id for r in c.released] == [held_urgent[0].request_id]
+
+
+def test_tenants_api_keys_map_to_their_tenant_and_a_shared_key_is_refused():
+    """`tenant_keys` maps each tenant's HTTP keys to it; one key given to two tenants is an error."""
+    config = FlowConfig(tenants={"a": TenantConfig(api_keys=["k1", "k2"]), "b": TenantConfig(api_keys=["k3"])})
+    assert config.tenant_keys() == {"k1": "a", "k2": "a", "k3": "b"}
+    with pytest.raises(ValueError, match="share an API key"):
+        FlowConfig(tenants={"a": TenantConfig(api_keys=["k"]), "b": TenantConfig(api_keys=["k"])})

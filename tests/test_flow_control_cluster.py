@@ -32,7 +32,10 @@ FAKE = ReplicaConfig(engine=EngineConfig(num_slots=2, max_seq_len=128), fake_ste
 FLOW = FlowConfig(
     policy="vtc",
     saturation=SaturationConfig(queue_depth=1),
-    tenants={"limited": TenantConfig(requests_per_s=0.2, burst=1)},
+    tenants={
+        "limited": TenantConfig(requests_per_s=0.2, burst=1, api_keys=["sk-limited"]),
+        "ui": TenantConfig(api_keys=["sk-ui"]),
+    },
 )
 
 
@@ -43,7 +46,7 @@ def cluster(tmp_path_factory):
     deployment = start_cluster(ClusterSpec(num_replicas=1, replica=FAKE, store_path=store_path, flow=FLOW))
     ingress = build_ingress(deployment, served_name=MODEL, run_name="flow-test")
     port = free_port()
-    server = http_server(ingress, "127.0.0.1", port, None)
+    server = http_server(ingress, "127.0.0.1", port, None, FLOW.tenant_keys())
     thread = threading.Thread(target=asyncio.run, args=(serve_http(ingress, server),), daemon=True)
     thread.start()
     wait_until(lambda: server.started, 60, "the HTTP server to start")
@@ -94,18 +97,27 @@ def test_a_request_held_past_its_deadline_is_refused_with_a_retry_after(cluster)
     assert all(r.finish_reason == "length" for r in flood)
 
 
-def test_http_priority_and_tenant_limits_are_clear_errors(cluster):
+def test_http_keys_name_the_tenant_and_priority_and_limits_are_clear_errors(cluster):
+    """Over HTTP the API key names the tenant (over the body's `user`); a request without a
+    tenant's key is a 401; an unknown priority (body or X-Priority header) is a 400 naming
+    `priority`; the limited tenant's second request within its bucket's refill is a 429 with a
+    Retry-After and the limit named."""
     _, _, url = cluster
-    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2}
-    bad = httpx.post(f"{url}/v1/completions", json={**body, "priority": 7}, timeout=60)
+
+    def post(key: str | None, headers: dict | None = None, **extra) -> httpx.Response:
+        auth = {"Authorization": f"Bearer {key}"} if key else {}
+        body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2, **extra}
+        return httpx.post(f"{url}/v1/completions", json=body, headers={**auth, **(headers or {})}, timeout=60)
+
+    assert post(None).status_code == 401
+    bad = post("sk-ui", priority=7)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
     assert "allowed: 0, 1, 2" in bad.json()["error"]["message"]
-    header = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Priority": "soon"}, timeout=60)
+    header = post("sk-ui", {"X-Priority": "soon"})
     assert header.status_code == 400 and header.json()["error"]["param"] == "priority"
-    ok = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Priority": "1"}, timeout=60)
+    ok = post("sk-ui", {"X-Priority": "1"}, user="limited")  # the key's tenant, not the user's
     assert ok.status_code == 200, ok.text
-    first = httpx.post(f"{url}/v1/completions", json={**body, "user": "limited"}, timeout=60)
-    second = httpx.post(f"{url}/v1/completions", json={**body, "user": "limited"}, timeout=60)
+    first, second = post("sk-limited"), post("sk-limited", user="someone-else")
     assert first.status_code == 200, first.text
     assert second.status_code == 429, second.text
     assert float(second.headers["retry-after"]) > 0

@@ -133,14 +133,25 @@ class IngressMetrics:
         )
 
 
-def create_app(ingress: Ingress, api_key: str | None = None) -> FastAPI:
+def create_app(ingress: Ingress, api_key: str | None = None, tenant_keys: dict[str, str] | None = None) -> FastAPI:
+    """`api_key` and each of `tenant_keys` (key -> the flow-control tenant it authenticates as)
+    open every route but /health; with neither, every route is open."""
     app = FastAPI(title="slotserve", description=DESCRIPTION)
     metrics = IngressMetrics()
+    tenant_keys = tenant_keys or {}
+    keys_required = api_key is not None or bool(tenant_keys)
 
-    async def check_key(request: Request) -> None:  # async: FastAPI runs a sync one on a thread, per request
-        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+    async def check_key(request: Request) -> str | None:  # async: FastAPI runs a sync one on a thread, per request
+        """The tenant the request's key authenticates as (None: the key is no tenant's)."""
+        if not keys_required:
+            return None
+        sent = request.headers.get("authorization", "").removeprefix("Bearer ")
+        if sent in tenant_keys:
+            return tenant_keys[sent]
+        if api_key is None or sent != api_key:
             raise OpenAIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
                               code="invalid_api_key")  # fmt: skip
+        return None
 
     keyed = [Depends(check_key)]
 
@@ -186,19 +197,21 @@ def create_app(ingress: Ingress, api_key: str | None = None) -> FastAPI:
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions", dependencies=keyed)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _generate(body, request, chat=False)
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request, tenant: str | None = Depends(check_key)):
+        return await _generate(body, request, tenant, chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=keyed)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _generate(body, request, chat=True)
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request, tenant: str | None = Depends(check_key)):
+        return await _generate(body, request, tenant, chat=True)
 
-    async def _generate(body: CompletionRequest | ChatCompletionRequest, request: Request, chat: bool) -> Response:
+    async def _generate(
+        body: CompletionRequest | ChatCompletionRequest, request: Request, tenant: str | None, chat: bool
+    ) -> Response:
         arrival = time.time()
         try:
             headers = request.headers
-            prepared = ingress.prepare(body, headers.get(SESSION_HEADER), arrival, headers.get(PRIORITY_HEADER))
+            prepared = ingress.prepare(body, headers.get(SESSION_HEADER), arrival, headers.get(PRIORITY_HEADER), tenant)
         except OpenAIError as err:
             ingress.record_invalid(err, chat, arrival)
             raise

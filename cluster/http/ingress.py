@@ -107,10 +107,12 @@ class Ingress:
         session_header: str | None,
         arrival: float,
         priority_header: str | None = None,
+        key_tenant: str | None = None,
     ) -> Prepared:
         """Every check that needs no replica; raises OpenAIError (400 naming the field, 404 for
         another model). The priority is the body's, else the X-Priority header's; the tenant is
-        the `user` (the default tenant's without one)."""
+        the one the API key authenticates as (`key_tenant`), else the `user` (else the default
+        tenant)."""
         body.check_supported()
         priority = body.priority
         if priority is None and priority_header is not None:
@@ -147,7 +149,8 @@ class Ingress:
         except InvalidRequestError as err:
             raise http_error(err) from None
         session = body.user or session_header
-        return Prepared(request_id(chat), prompt_ids, params, session, arrival, body.user or defaults.TENANT)
+        tenant = key_tenant or body.user or defaults.TENANT
+        return Prepared(request_id(chat), prompt_ids, params, session, arrival, tenant)
 
     def record_invalid(self, err: OpenAIError, chat: bool, arrival: float) -> None:
         """Record a request refused before it reached the cluster (a 400 or 404) in the run,

@@ -38,6 +38,7 @@ class IngressConfig(BaseModel):
     port: int = 8000
     served_name: str | None = None
     api_key: str | None = None
+    tenant_keys: dict[str, str] = {}  # API keys of flow control's tenants -> tenant
     run_id: int
     routing: str = "actor"
 
@@ -63,7 +64,7 @@ class IngressActor:
         model = served_model(replica_info(deployment), config.served_name)
         recorder = RunRecorder(deployment.store, [], config.run_id)
         self.ingress = Ingress(Client(routing=config.routing), model, recorder)
-        self.server = http_server(self.ingress, config.host, config.port, config.api_key)
+        self.server = http_server(self.ingress, config.host, config.port, config.api_key, config.tenant_keys)
         sock = listening_socket(config.host, config.port, reuse_port=True)
         self._thread = threading.Thread(
             target=uvloop.run, args=(serve_http(self.ingress, self.server, sock, end_run=False),), daemon=True

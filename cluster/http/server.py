@@ -64,13 +64,16 @@ def listening_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
-def http_server(ingress: Ingress, host: str, port: int, api_key: str | None):
-    """The uvicorn server of the ingress's app (`server.should_exit = True` stops it)."""
+def http_server(ingress: Ingress, host: str, port: int, api_key: str | None, tenant_keys: dict[str, str] | None = None):
+    """The uvicorn server of the ingress's app (`server.should_exit = True` stops it);
+    `tenant_keys`: the API keys of flow control's tenants (`FlowConfig.tenant_keys`)."""
     import uvicorn
 
     from cluster.http.app import create_app
 
-    config = uvicorn.Config(create_app(ingress, api_key), host=host, port=port, log_level="warning", lifespan="off")
+    config = uvicorn.Config(
+        create_app(ingress, api_key, tenant_keys), host=host, port=port, log_level="warning", lifespan="off"
+    )
     return uvicorn.Server(config)
 
 
