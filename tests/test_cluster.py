@@ -27,12 +27,21 @@ from workloads import bursty_mix
 FAKE = ReplicaConfig(engine=EngineConfig(num_slots=4, max_seq_len=256), fake_step_seconds=0.005)
 
 
+@pytest.fixture(scope="module")
+def ray_of_the_module():
+    """The module's local Ray instance, started by the first test that needs one (again after
+    the multi-node test, which stops it to join a cluster of its own) and stopped at the end:
+    each test starts its own slotserve cluster on it and stops it."""
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture
-def local_ray(tmp_path):
-    ray.init(address="local", num_cpus=4, namespace="slotserve", include_dashboard=False, log_to_driver=False)
+def local_ray(ray_of_the_module, tmp_path):
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=4, namespace="slotserve", include_dashboard=False, log_to_driver=False)
     yield tmp_path
     stop_cluster()
-    ray.shutdown()
 
 
 def replay_bursty(
@@ -131,6 +140,7 @@ def test_cluster_config_errors(local_ray):
 
 def test_unreachable_address_fails_fast():
     """A dead address is a one-line ClusterError within seconds, not a hang."""
+    ray.shutdown()  # the module's local instance, if an earlier test started it: connect would keep it
     start = time.monotonic()
     with pytest.raises(ClusterError, match="cannot reach"):
         connect("127.0.0.1:1")
@@ -141,6 +151,7 @@ def test_replicas_spread_over_nodes():
     """On a head + 2 worker cluster, two replicas land on two different nodes and serve."""
     from ray.cluster_utils import Cluster
 
+    ray.shutdown()  # the module's local instance, if an earlier test started it
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     try:
         for _ in range(2):
