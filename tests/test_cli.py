@@ -214,11 +214,20 @@ def test_generate_help_says_where_it_runs_and_what_temperature_defaults_to():
     assert "0 = greedy" in text and "over HTTP the default is 1.0" in text and "(default: 0.0)" in text
 
 
-def test_generate_chat_through_the_cluster_and_up_refuses_a_second_cluster(tiny_gpt2_dir, capsys):
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray instance for the two tests that start a cluster on it (each stops its own)."""
+    import ray
+
+    ray.init(address="local", num_cpus=3, namespace="slotserve", include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_generate_chat_through_the_cluster_and_up_refuses_a_second_cluster(tiny_gpt2_dir, capsys, local_ray):
     """On a running cluster of the tiny model, `generate --chat` applies the model's chat
     template in the CLI and gets the same greedy tokens as `--local --chat`; `up` against it
     says a cluster is running before it starts anything."""
-    import ray
 
     from cluster.deploy import ClusterSpec, start_cluster, stop_cluster
     from replica.serving.loop import ReplicaConfig
@@ -226,7 +235,6 @@ def test_generate_chat_through_the_cluster_and_up_refuses_a_second_cluster(tiny_
     args = ["generate", "Hi", "--model", tiny_gpt2_dir, "--max-tokens", "4", "--json", "--chat"]
     assert main([*args, "--local"]) == 0
     local = json.loads(capsys.readouterr().out)
-    ray.init(address="local", num_cpus=2, namespace="slotserve", include_dashboard=False, log_to_driver=False)
     try:
         replica = ReplicaConfig(engine=EngineConfig(model=tiny_gpt2_dir, max_seq_len=256))
         start_cluster(ClusterSpec(num_replicas=1, replica=replica))
@@ -238,24 +246,18 @@ def test_generate_chat_through_the_cluster_and_up_refuses_a_second_cluster(tiny_
         assert "starting" not in out and "already running" in err
     finally:
         stop_cluster()
-        ray.shutdown()
 
 
-def test_run_announces_its_probe_and_ends_with_the_store(tmp_path, capsys):
+def test_run_announces_its_probe_and_ends_with_the_store(tmp_path, capsys, local_ray):
     """`slotserve run` on a cluster it starts: one line says what the capacity probe does before
     it runs (and that it is not recorded), its requests go on the progress bar, the measured
     capacity is printed, and the last line names the store the runs were recorded in."""
-    import ray
 
     store = tmp_path / "runs.db"
-    ray.init(address="local", num_cpus=3, namespace="slotserve", include_dashboard=False, log_to_driver=False)
-    try:
-        code = main(
-            ["run", "--fake-step", "0.01", "--replicas", "2", "--slots", "2", "--max-seq-len", "320"]
-            + ["--requests", "6", "--workload", "saturated", "--store", str(store)]
-        )
-    finally:
-        ray.shutdown()
+    code = main(
+        ["run", "--fake-step", "0.01", "--replicas", "2", "--slots", "2", "--max-seq-len", "320"]
+        + ["--requests", "6", "--workload", "saturated", "--store", str(store)]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     lines = out.strip().splitlines()
