@@ -75,6 +75,7 @@ RUNS_BESIDE_CLUSTERS = frozenset(
         "test_predicted_latency",
         "test_predicted_latency_queue",
         "test_protocol",
+        "test_replica_priority",
         "test_reliability_serving",
         "test_router_fast_paths",
         "test_router_index",
@@ -105,6 +106,7 @@ SECOND_CLUSTER_UNIT = frozenset(
     {
         "test_autoscaling_cluster",
         "test_disaggregation_cluster",
+        "test_flow_control_cluster",
         "test_http_api_model",
         "test_ingress_scale_out",
         "test_reliability_model",

@@ -247,19 +247,19 @@ def test_default_model_cluster_matches_single_engine(local_ray):
 
 def test_async_burst_is_routed_in_one_call_per_loop_turn(local_ray):
     """Requests an async client routes in the same event-loop turn go to the router in one
-    route_many call: each still gets its own decision (both replicas used, every one logged),
+    admit_many call: each still gets its own decision (both replicas used, every one logged),
     and the burst costs one Ray call instead of one per request."""
     deployment = start_cluster(ClusterSpec(num_replicas=2, replica=FAKE, store_path=str(local_ray / "s.db")))
     with Client() as client:
         calls = []
-        real = client.router.route_many
+        real = client.router.admit_many
 
         class Counting:
-            def remote(self, routes):
+            def remote(self, routes, subscriber):
                 calls.append(len(routes))
-                return real.remote(routes)
+                return real.remote(routes, subscriber)
 
-        client.router.route_many = Counting()
+        client.router.admit_many = Counting()
 
         async def burst():
             return await asyncio.gather(*[client.agenerate([i + 1], max_tokens=2, ignore_eos=True) for i in range(6)])
