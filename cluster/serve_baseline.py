@@ -341,6 +341,8 @@ async def _replay(
                 error=error,
                 planned_arrival=planned,
                 submit_lateness=arrival - planned,
+                priority=spec.priority,  # recorded for the reports' split by class: Serve schedules by neither
+                tenant=spec.tenant,
             )
         )
 
