@@ -153,7 +153,6 @@ class RouterActor:
                 target=self._watch, args=(health_period, health_timeout), daemon=True, name="slotserve-health"
             ).start()
         self._releases = ReleaseBox()
-        self._held_class: dict[str, tuple[int, str]] = {}  # held request id -> its priority and tenant
         self._last_held: dict[int, int] = {}
         if flow is not None:
             threading.Thread(target=self._tick_while_held, daemon=True, name="slotserve-flow-ticks").start()
@@ -213,8 +212,7 @@ class RouterActor:
             self._telemetry.flow(request.priority, request.tenant, "dispatched")
             return Admission(request.request_id, decision.replica_id)
         self._telemetry.flow(request.priority, request.tenant, "held")
-        self._held_class[request.request_id] = (request.priority, request.tenant)
-        self._releases.hold(request.request_id, client)
+        self._releases.hold(request, client)
         return Admission(request.request_id, None)
 
     @ray.method(concurrency_group="release")
@@ -225,7 +223,7 @@ class RouterActor:
 
     def withdraw(self, request_id: str) -> bool:
         """A held request's caller left: it is never dispatched."""
-        self._held_class.pop(request_id, None)
+        self._releases.withdraw(request_id)
         return self._router.withdraw(request_id)
 
     def tick(self) -> None:
@@ -252,10 +250,9 @@ class RouterActor:
         if self._router.flow is not None:
             released = self._router.take_released()
             if released:
-                for item in released:
-                    if (klass := self._held_class.pop(item.request_id, None)) is not None:
-                        self._telemetry.flow(*klass, "released" if item.decision is not None else "refused")
-                self._releases.put(released)
+                for item, request in self._releases.put(released):
+                    outcome = "released" if item.decision is not None else "refused"
+                    self._telemetry.flow(request.priority, request.tenant, outcome)
                 self._take_decisions()
             held = self._router.flow.held_by_band()
             if held != self._last_held:

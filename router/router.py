@@ -89,8 +89,8 @@ class Router:
         # (`_choose`; a two-pool router's choose among a pool's)
         self._every_routable = False
         self.flow: FlowController | None = None if flow is None else make_flow_controller(flow, self.clock)
-        self._band_of: dict[str, tuple[str, int]] = {}  # request in flight -> its replica and band
-        self._bands_on: dict[str, Counter[int]] = {}  # replica -> its requests in flight per band
+        self._band_of: dict[str, int] = {}  # request in flight -> its band
+        self._bands_in_flight: Counter[int] = Counter()  # requests in flight per band (none at 0)
         self._released: list[Released] = []
 
     @property
@@ -141,7 +141,7 @@ class Router:
         )
         self.load.dispatched(decision.replica_id, request.request_id)
         if self.flow is not None:
-            self._placed(request.request_id, decision.replica_id, request.priority)
+            self._placed(request.request_id, request.priority)
         policy.dispatched(request, decision.replica_id, now)
         if len(self._decisions) == self._decisions.maxlen:
             self.decisions_dropped += 1
@@ -205,22 +205,21 @@ class Router:
         requests in flight is reached."""
         if not len(self.load.routable) or self.load.up_in_flight >= self.max_in_flight:
             return True
-        if any(band > priority for bands in self._bands_on.values() for band in bands):
+        if any(band > priority for band in self._bands_in_flight):
             return False
         config, now = self.flow.config.saturation, self.clock.now()
         return all(replica_saturated(view, config) for view in self.load.routable_views(now))
 
-    def _placed(self, request_id: str, replica_id: str | None, priority: int = 0) -> None:
-        """Keep the bands in flight on each replica (a placement, or `replica_id` None: its end)."""
+    def _placed(self, request_id: str, priority: int | None) -> None:
+        """Keep the bands of the requests in flight (a placement, or `priority` None: its end)."""
         old = self._band_of.pop(request_id, None)
         if old is not None:
-            bands = self._bands_on[old[0]]
-            bands[old[1]] -= 1
-            if not bands[old[1]]:
-                del bands[old[1]]
-        if replica_id is not None:
-            self._band_of[request_id] = (replica_id, priority)
-            self._bands_on.setdefault(replica_id, Counter())[priority] += 1
+            self._bands_in_flight[old] -= 1
+            if not self._bands_in_flight[old]:
+                del self._bands_in_flight[old]
+        if priority is not None:
+            self._band_of[request_id] = priority
+            self._bands_in_flight[priority] += 1
 
     def _choose(self, request: RouteRequest, now: float) -> tuple[RoutingPolicy, list[ReplicaView], int, list[float]]:
         """The policy that chose, the replicas it chose among, the index of its choice and its

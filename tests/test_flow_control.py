@@ -330,3 +330,22 @@ def test_tenants_api_keys_map_to_their_tenant_and_a_shared_key_is_refused():
     assert config.tenant_keys() == {"k1": "a", "k2": "a", "k3": "b"}
     with pytest.raises(ValueError, match="share an API key"):
         FlowConfig(tenants={"a": TenantConfig(api_keys=["k"]), "b": TenantConfig(api_keys=["k"])})
+
+
+def test_the_release_box_forgets_a_withdrawn_request_and_hands_each_release_to_its_client():
+    """A withdrawn request is no longer held there (the actor stops ticking for it), and a release
+    goes to the client that sent the request, paired with it; one it never held is dropped."""
+    from router.release_box import ReleaseBox
+
+    box = ReleaseBox()
+    kept, gone = RouteRequest("kept", 8, 8, priority=1, tenant="a"), RouteRequest("gone", 8, 8)
+    box.hold(kept, "client-1")
+    box.hold(gone, "client-2")
+    box.withdraw("gone")
+    assert box.num_held == 1
+    refusal = OverloadedError("router", 1, 1.0, "shed")
+    released = [Released("kept", refusal=refusal), Released("stranger", refusal=refusal)]
+    assert [(item.request_id, request.tenant) for item, request in box.put(released)] == [("kept", "a")]
+    assert box.num_held == 0
+    assert [r.request_id for r in box.take("client-1", timeout=0)] == ["kept"]
+    assert box.take("client-2", timeout=0) == []

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import httpx
 import pytest
@@ -58,28 +57,30 @@ def cluster(tmp_path_factory):
     ray.shutdown()
 
 
-async def _flood_then(client: Client, urgent: dict, flood: int = 12):
+def _flood_then(client: Client, urgent: dict, flood: int = 12):
     """A flood of batch requests, then (once some are held) one more with `urgent`'s arguments:
     the flood's results, the last one's result (or the error that refused it), and the router's
     status when it first held some."""
-    router, held = client.router, None
     batch = [
-        asyncio.ensure_future(client.agenerate([1, 2, 3], tenant="batch", priority=2, max_tokens=20, ignore_eos=True))
+        client._loop.spawn(client.agenerate([1, 2, 3], tenant="batch", priority=2, max_tokens=20, ignore_eos=True))
         for _ in range(flood)
     ]
-    deadline = time.monotonic() + 30
-    while held is None and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
-        status = await router.status.remote()
-        held = status if sum(status["flow"]["held"].values()) else None
-    last = await asyncio.gather(client.agenerate([4, 5, 6], ignore_eos=True, **urgent), return_exceptions=True)
-    return await asyncio.gather(*batch), last[0], held
+
+    def holding() -> dict | None:
+        status = ray.get(client.router.status.remote(), timeout=30)
+        return status if sum(status["flow"]["held"].values()) else None
+
+    held = wait_until(holding, 30, "the router to hold part of the flood", every=0.02)
+    try:
+        last = client.generate([4, 5, 6], ignore_eos=True, **urgent)
+    except OverloadedError as err:
+        last = err
+    return [future.result(timeout=120) for future in batch], last, held
 
 
 def test_an_urgent_request_overtakes_a_held_flood_and_the_flood_finishes_whole(cluster):
     _, client, _ = cluster
-    flood, urgent, held = client._loop.run(_flood_then(client, {"tenant": "ui", "priority": 0, "max_tokens": 4}))
-    assert held is not None, "the router never held a request: the flood did not saturate the replica"
+    flood, urgent, held = _flood_then(client, {"tenant": "ui", "priority": 0, "max_tokens": 4})
     (line,) = flow_lines(held["flow"])  # what `slotserve top` shows of it
     assert f"held by priority band: 0: 0, 1: 0, 2: {held['flow']['held'][2]}" in line and "vtc" in line
     assert urgent.finish_reason == "length" and len(urgent.token_ids) == 4
@@ -91,7 +92,7 @@ def test_an_urgent_request_overtakes_a_held_flood_and_the_flood_finishes_whole(c
 def test_a_request_held_past_its_deadline_is_refused_with_a_retry_after(cluster):
     _, client, _ = cluster
     args = {"tenant": "batch", "priority": 2, "max_tokens": 4, "timeout": 0.3}  # behind its own flood
-    flood, late, _ = client._loop.run(_flood_then(client, args))
+    flood, late, _ = _flood_then(client, args)
     assert isinstance(late, OverloadedError), late
     assert late.retry_after > 0 and "deadline" in str(late)
     assert all(r.finish_reason == "length" for r in flood)

@@ -13,6 +13,7 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -238,21 +239,20 @@ class Scheduler:
         return out
 
     def _victim(self) -> Request:
-        """The running request to preempt first: the least urgent, the youngest among those."""
-        running = self.running
-        last = running[-1]
-        if running[0].priority == last.priority and all(r.priority == last.priority for r in running):
-            return last
-        return max(reversed(running), key=lambda r: r.priority)
+        """The running request to preempt first: the least urgent, the youngest among those
+        (`max` keeps the first of equals, and `running` is in admission order)."""
+        return max(reversed(self.running), key=attrgetter("priority"))
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """The most urgent waiting request that cannot start for want of a slot or K/V takes the
         place of running requests less urgent than it (vLLM's priority scheduling): rows this
         step has not planned yet, so the step's plan holds only requests that keep their place."""
         head = self.waiting[0]
-        while self.running and not self.slots.can_admit(head, self.slots.cached_prefix_tokens(head) + 1):
-            victim = self._victim()
-            if victim.priority <= head.priority:
+        while self.running:
+            victim = self._victim()  # asked first: the prefix lookup below is the dearer question
+            if victim.priority <= head.priority or self.slots.can_admit(
+                head, self.slots.cached_prefix_tokens(head) + 1
+            ):
                 return
             self._preempt(victim)
             out.preempted.append(victim)
