@@ -48,7 +48,7 @@ from protocol.cost import LinearCostModel, StepFeatures
 from sim.cost_model import MAX_LOOP_GAP, step_overhead
 
 # a cell without its seed
-KEY = ("routing", "load", "batching", "slots", "token_budget", "workload", "pools", "scaling")
+KEY = ("routing", "load", "batching", "slots", "token_budget", "workload", "pools", "scaling", "flow")
 METRICS = {
     "ttft_p90": lambda a: a["cluster"]["ttft"]["p90"],
     "ttft_p50": lambda a: a["cluster"]["ttft"]["p50"],
@@ -65,17 +65,18 @@ TARGET = 0.9  # Spearman of TTFT p90 across the cells (read to 9 digits: one swa
 BURST_GAP = 0.001
 
 
-def runs_by_cell(path: Path, experiment: str) -> dict[tuple, dict[int, dict[str, float]]]:
-    """Per cell of `experiment` in the store, each seed's figures (its latest complete run)."""
+def runs_by_cell(path: Path, experiment: str, simulated: bool) -> dict[tuple, dict[int, dict[str, float]]]:
+    """Per cell of `experiment` in the store, each seed's figures (its latest complete run), of
+    the simulated runs or of the real ones (one store may hold both)."""
     store = MetricsStore(path)
     runs: dict[tuple, dict[int, dict[str, float]]] = {}
     try:
         for run in store.runs():
             config = run["config"] or {}
-            if config.get("experiment") != experiment or not run["complete"]:
+            if config.get("experiment") != experiment or not run["complete"] or run["simulated"] != simulated:
                 continue
             a = analyze(store, run["run_id"], SLO(**(run["slo"] or {})))
-            key = tuple(config["cell"].get(k, "") for k in KEY)  # a store from before pools and scaling has neither
+            key = tuple(config["cell"].get(k, "") for k in KEY)  # a store from before pools, scaling or flow lacks them
             figures = {m: f(a) for m, f in METRICS.items()}
             if config.get("scaling"):
                 figures["replica_seconds"] = replica_timeline(store, run["run_id"]).replica_seconds
@@ -91,9 +92,9 @@ def medians(by_seed: dict[int, dict[str, float]], seeds: set[int]) -> dict[str, 
     return {m: statistics.median(r[m] for r in runs if r.get(m) is not None) for m in runs[0]}
 
 
-def cells(path: Path, experiment: str) -> dict[tuple, dict[str, float]]:
+def cells(path: Path, experiment: str, simulated: bool) -> dict[tuple, dict[str, float]]:
     """Per cell of `experiment` in the store, the median over its seeds of each figure."""
-    return {key: medians(by_seed, set(by_seed)) for key, by_seed in runs_by_cell(path, experiment).items()}
+    return {key: medians(s, set(s)) for key, s in runs_by_cell(path, experiment, simulated).items()}
 
 
 def scaled(sim: dict[str, float], real: dict[str, float]) -> dict[str, tuple[float, bool]] | None:
@@ -160,7 +161,7 @@ def overheads(paths: list[Path], experiment: str, file: Path) -> dict[str, float
         store = MetricsStore(path)
         try:
             for run in store.runs():
-                if (run["config"] or {}).get("experiment") != experiment or not run["complete"]:
+                if (run["config"] or {}).get("experiment") != experiment or not run["complete"] or run["simulated"]:
                     continue
                 rows = store.steps(run["run_id"])
                 steps["serve" if run["routing_policy"] in SERVE_ROUTERS else "slotserve"] += rows
@@ -223,9 +224,9 @@ def main() -> None:
         for key, seconds in overheads(args.cluster, args.experiment, args.file).items():
             print(f"cluster's {key}: " + ("not measured" if seconds is None else f"{seconds:.5f} s"))
     sides: list[dict[tuple, dict[int, dict[str, float]]]] = [{}, {}]
-    for side, paths in zip(sides, (args.cluster, args.sim)):
+    for side, paths, simulated in zip(sides, (args.cluster, args.sim), (False, True)):
         for path in paths:
-            for key, by_seed in runs_by_cell(path, args.experiment).items():
+            for key, by_seed in runs_by_cell(path, args.experiment, simulated).items():
                 side.setdefault(key, {}).update(by_seed)
     common = {k: set(sides[0][k]) & set(sides[1][k]) for k in set(sides[0]) & set(sides[1])}
     both = sorted((k for k, seeds in common.items() if seeds), key=lambda k: (k[1] or 0, str(k[0])))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from autoscaling.policies import AutoscaleConfig
+from benchmarks.experiment_fidelity import KEY as FIDELITY_KEY
 from benchmarks.experiment_fidelity import cells as fidelity_cells
 from benchmarks.experiment_fidelity import scaled as fidelity_errors
 from experiments.experiment_report import summarize_runs, write_report
@@ -198,7 +199,8 @@ def test_a_simulated_autoscaling_experiment_starts_at_min_and_accounts_every_rep
         store.close()
 
     # the fidelity check reads a sized cell's cost and attainment back as the report does, and judges them
-    figures = {key[-1]: f for key, f in fidelity_cells(store_path, "autoscaling-test").items()}
+    scaling = FIDELITY_KEY.index("scaling")
+    figures = {key[scaling]: f for key, f in fidelity_cells(store_path, "autoscaling-test", simulated=True).items()}
     mine = figures["predictive"]
     assert mine["replica_seconds"] == pytest.approx(timeline.replica_seconds)
     assert mine["slo_attainment"] == pytest.approx(by_label["predictive"].values["slo_attainment"][0])
