@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from metrics.store import MetricsStore
 
     plot = plot_cluster_runs(
-        MetricsStore(store_path), run_ids, store_path.parent / f"runs-{run_ids[0]}-{run_ids[-1]}.png"
+        MetricsStore(store_path), run_ids, slo, store_path.parent / f"runs-{run_ids[0]}-{run_ids[-1]}.png"
     )
     print(f"\nrecorded runs {runs} in {store_path}; plot: {plot}")
     return 0

@@ -37,6 +37,7 @@ def plot_rows(result: ExperimentResult, rows: list[Row], axes: list[str], out: P
     made: list[tuple[str, Path]] = []
     kind = "simulated" if result.simulated else "real"
     points = [plots.SweepPoint(series_label(r.cell, axes), r.cell.load, r.values) for r in rows]
+    series_colors = plots.colors(p.series for p in points)
     first_runs = {_run_title(r, axes): r.run_ids[0] for r in rows}  # every row: a plot leaves none out
     lightest: dict[str, Row] = {}  # per series, its row at the lowest load: every policy gets a timeline
     for r in rows:
@@ -50,13 +51,18 @@ def plot_rows(result: ExperimentResult, rows: list[Row], axes: list[str], out: P
             if name in SWEEPS:  # figures against load, a panel per metric
                 title, panels = SWEEPS[name]
                 subtitle = f"{experiment.name} ({kind}): {SPREAD_NOTE}"
-                made.append((title, plots.plot_sweep(points, panels, path, subtitle)))
+                made.append((title, plots.plot_sweep(points, panels, path, subtitle, series_colors)))
             elif name == "cdf":
                 traces = {_row_title(r, axes): [t for run_id in r.run_ids for t in store.traces(run_id)] for r in rows}
                 made.append(
                     (
                         "Latency distributions",
-                        plots.plot_latency_cdfs(traces, path, f"{experiment.name} ({kind}): all seeds pooled"),
+                        plots.plot_latency_cdfs(
+                            traces,
+                            path,
+                            f"{experiment.name} ({kind}): all seeds pooled; a series' colour darker at higher load",
+                            row_colors(rows, axes, series_colors),
+                        ),
                     )
                 )
             elif name == "occupancy":
@@ -85,6 +91,22 @@ def plot_rows(result: ExperimentResult, rows: list[Row], axes: list[str], out: P
 
 
 TIMELINE_REQUESTS = 32  # a slot timeline shows the first requests of one replica: a short run
+
+
+def row_colors(rows: list[Row], axes: list[str], series_colors: dict) -> dict[str, tuple]:
+    """Each row's colour: its series' colour (as in the figures against load), lighter at a
+    lower load, so a series reads as one family of lines."""
+    from metrics.plots import shades
+
+    loads: dict[str, list[Row]] = {}
+    for r in rows:
+        loads.setdefault(series_label(r.cell, axes), []).append(r)
+    colored = {}
+    for series, mine in loads.items():
+        mine.sort(key=lambda r: r.cell.load or 0)
+        for r, shade in zip(mine, shades(series_colors[series], len(mine))):
+            colored[_row_title(r, axes)] = shade
+    return colored
 
 
 def _row_title(row: Row, axes: list[str]) -> str:

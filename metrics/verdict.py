@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 
 Figure = Callable[[dict], float]
 
@@ -26,29 +27,50 @@ def _seeds(runs: list[dict]) -> list[int]:
     return sorted({a["seed"] for a in runs if a.get("seed") is not None})
 
 
-def _rounds(by_policy: dict[str, list[dict]]) -> str:
+def rounds(by_policy: dict[str, list[dict]]) -> str:
     """'3 seeds (0, 1, 2)' when the rounds had different traffic, else '3 rounds'."""
     count = min(len(r) for r in by_policy.values())
     seeds = _seeds([a for runs in by_policy.values() for a in runs])
     return f"{count} seeds ({', '.join(map(str, seeds))})" if len(seeds) > 1 else f"{count} rounds"
 
 
-def _lead(by_policy: dict[str, list[dict]], figure: Figure, higher_is_better: bool) -> str:
-    """The winner on `figure` (best median), by how much over the runner-up, the spreads, and
-    whether the lead holds: the winner's worst round beats each other policy's best."""
+@dataclass
+class Lead:
+    """The winner on a figure against the runner-up: their medians over rounds and spreads
+    (max - min), the winner's ratio over the runner-up (higher is better for both sides of it:
+    a latency's ratio is the runner-up's over the winner's), and the policies whose best round
+    reached the winner's worst (none: the lead holds)."""
+
+    first: str
+    second: str
+    medians: tuple[float, float]
+    spreads: tuple[float, float]
+    ratio: float
+    reached: list[str]
+
+
+def lead(by_policy: dict[str, list[dict]], figure: Figure, higher_is_better: bool) -> Lead:
+    """The winner on `figure` (best median) and its lead over the runner-up (two policies or more)."""
     sign = 1 if higher_is_better else -1
     ranked = sorted(by_policy, key=lambda p: -sign * _stats(by_policy[p], figure)[0])
     first, second = ranked[0], ranked[1]
     (a, spread_a), (b, spread_b) = _stats(by_policy[first], figure), _stats(by_policy[second], figure)
     ratio = (a / b if b else float("inf")) if higher_is_better else (b / a if a else float("inf"))
     worst = min(sign * figure(x) for x in by_policy[first])
-    reach = [p for p in ranked[1:] if max(sign * figure(x) for x in by_policy[p]) >= worst]
-    if reach:
-        how = f"within noise: {' and '.join(reach)} reached its worst of {_rounds(by_policy)}"
+    reached = [p for p in ranked[1:] if max(sign * figure(x) for x in by_policy[p]) >= worst]
+    return Lead(first, second, (a, b), (spread_a, spread_b), ratio, reached)
+
+
+def _lead(by_policy: dict[str, list[dict]], figure: Figure, higher_is_better: bool) -> str:
+    """The lead of `lead` in words: the medians, the ratio, the spreads and whether it holds."""
+    won = lead(by_policy, figure, higher_is_better)
+    if won.reached:
+        how = f"within noise: {' and '.join(won.reached)} reached its worst of {rounds(by_policy)}"
     else:
-        how = f"holds: its worst of {_rounds(by_policy)} beats every other policy's best"
+        how = f"holds: its worst of {rounds(by_policy)} beats every other policy's best"
+    (a, b), (spread_a, spread_b) = won.medians, won.spreads
     return (
-        f"{first} {a:.3g} vs {second} {b:.3g}, {ratio:.2f}x {'higher' if higher_is_better else 'lower'} "
+        f"{won.first} {a:.3g} vs {won.second} {b:.3g}, {won.ratio:.2f}x {'higher' if higher_is_better else 'lower'} "
         f"(spreads {spread_a:.3g} / {spread_b:.3g}; {how})"
     )
 

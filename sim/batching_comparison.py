@@ -125,7 +125,7 @@ def format_comparison(report: dict) -> str:
 
 
 def write_outputs(out_dir: Path, report: dict, results: dict[str, ReplayResult]) -> None:
-    from metrics.plots import latency_cdfs, plt
+    from metrics.plots import colors, figure_legend, latency_cdfs, line_handles, plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps(report, indent=2))
@@ -137,14 +137,15 @@ def write_outputs(out_dir: Path, report: dict, results: dict[str, ReplayResult])
         for policy, result in results.items():
             for s in result.steps:
                 f.write(json.dumps({"policy": policy, **asdict(s)}) + "\n")
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4), layout="constrained")
     names = [r["policy"] for r in report["rows"]]
-    axes[0].bar(names, [r["throughput"] for r in report["rows"]], label="throughput")
-    axes[0].bar(names, [r["goodput"] for r in report["rows"]], label="goodput", alpha=0.7)
+    policy_colors = colors(names)
+    axes[0].bar(names, [r["throughput"] for r in report["rows"]], color=[policy_colors[n] for n in names], alpha=0.35)
+    axes[0].bar(names, [r["goodput"] for r in report["rows"]], color=[policy_colors[n] for n in names])
     axes[0].set_ylabel("output tokens / s")
-    axes[0].legend()
-    latency_cdfs(axes[1], axes[2], {policy: result.traces for policy, result in results.items()})
+    axes[0].set_title("goodput (solid) within throughput (pale)", fontsize=9)
+    latency_cdfs(axes[1], axes[2], {policy: [result.traces] for policy, result in results.items()}, policy_colors)
+    figure_legend(fig, line_handles(policy_colors))
     fig.suptitle(report["workload"], fontsize=9)
-    fig.tight_layout()
     fig.savefig(out_dir / "policies.png", dpi=100)
     plt.close(fig)

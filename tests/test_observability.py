@@ -354,3 +354,95 @@ def test_rendered_panels_share_the_range_and_label_ticks_apart():
     assert all(t.get_text().endswith("µs") for t in axes[1].get_yticklabels() if t.get_text())
     assert [t.get_text() for t in axes[2].texts] == ["0.0%"]
     plt.close(fig)
+
+
+def _legend_clear_of_every_axes(fig) -> list[str]:
+    """The figure's one legend's labels, after checking that no panel has a legend of its own
+    and that the figure's lies outside every visible panel."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (legend,) = fig.legends
+    box = legend.get_window_extent(renderer)
+    for ax in fig.axes:
+        assert ax.get_legend() is None
+        assert not ax.get_visible() or not box.overlaps(ax.get_window_extent(renderer)), ax.get_title()
+    return [t.get_text() for t in legend.get_texts()]
+
+
+def test_occupancy_figure_gives_each_replica_one_colour_and_one_legend_outside_the_panels():
+    """A replica is drawn in the same colour in every panel, named once in a figure legend that
+    covers no panel (a legend per panel covered the lines)."""
+    from metrics.plots import occupancy_figure
+
+    steps = [
+        {"replica_id": r, "start": float(t), "live_slots": t % 3, "num_slots": 2}
+        for r in ("r0", "r1")
+        for t in range(5)
+    ]
+    fig = occupancy_figure({"a": steps, "b": steps, "c": steps, "d": steps}, "sweep")
+    assert _legend_clear_of_every_axes(fig) == ["r0", "r1"]
+    panels = [[line.get_color() for line in ax.lines] for ax in fig.axes if ax.get_visible()]
+    assert all(colors == panels[0] for colors in panels) and len(set(map(str, panels[0]))) == 2
+
+
+def test_cluster_runs_figure_shows_one_colour_per_policy_and_the_winners_lead(tmp_path):
+    """`slotserve run`'s picture of 3 policies x 2 seeds: the goodput panel has one bar per
+    policy and a dot per seed, titled with the winner's ratio over the runner-up (analyze's
+    goodput); every latency line is drawn in its policy's colour, one line per seed; the one
+    legend names each policy once and covers no panel."""
+    import statistics
+
+    from metrics.definitions import RequestTrace
+    from metrics.goodput_report import analyze
+    from metrics.plots import cluster_runs_figure
+    from metrics.recording import record_run
+    from metrics.store import open_store
+    from protocol.records import StepRecord
+
+    store = open_store(tmp_path / "store.db")
+    # fast: every request within the 0.5 s TTFT SLO; half: half of them; late: a quarter
+    met = {"fast": 1.0, "half": 0.5, "late": 0.25}
+    run_ids = []
+    for seed in (0, 1):
+        for policy, share in met.items():
+            traces = []
+            for i in range(8):
+                ttft = 0.1 + 0.01 * seed if i < share * 8 else 2.0
+                times = [i + ttft + 0.01 * k for k in range(4)]
+                traces.append(RequestTrace(f"q{i}", float(i), times, times[-1], "length", 8, replica=f"r{i % 2}"))
+            steps = [
+                (f"r{r}", 4, StepRecord(t, float(t), 0.5, 1, 0, 8, 1 + (t + r) % 3, 1, 1, 0, 0))
+                for r in (0, 1)
+                for t in range(10)
+            ]
+            run_ids.append(
+                record_run(
+                    store,
+                    name=f"kv-pressure-{policy}-seed{seed}",
+                    config={"workload": "kv-pressure (seed 0): 8 requests", "num_replicas": 2},
+                    batching_policy="chunked",
+                    routing_policy=policy,
+                    seed=seed,
+                    traces=traces,
+                    steps=steps,
+                )
+            )
+    slo = SLO(0.5, 0.05)
+    fig = cluster_runs_figure(store, run_ids, slo)
+    assert _legend_clear_of_every_axes(fig) == list(met)
+    ax_goodput, ax_occupancy, ax_ttft, ax_itl = fig.axes
+    assert len(ax_goodput.patches) == 3 and [t.get_text() for t in ax_goodput.get_xticklabels()] == list(met)
+    assert sum(len(c.get_offsets()) for c in ax_goodput.collections if c.get_offsets().shape[1] == 2) >= 6
+    goodput = {
+        p: statistics.median(analyze(store, r, slo)["cluster"]["goodput"] for r in run_ids[i::3])
+        for i, p in enumerate(met)
+    }
+    assert goodput["fast"] > goodput["half"] > goodput["late"]
+    ratio = goodput["fast"] / goodput["half"]
+    assert ax_goodput.get_title().startswith(f"fast {ratio:.2f}x half's goodput (holds over 2 seeds")
+    legend_colors = [tuple(h.get_color()) for h in fig.legends[0].legend_handles]
+    for ax in (ax_ttft, ax_itl):
+        lines = [tuple(line.get_color()) for line in ax.lines if line.get_label() != "TTFT SLO"]
+        assert sorted(set(lines)) == sorted(legend_colors) and len(lines) == len(run_ids)
+    assert [tuple(line.get_color()) for line in ax_occupancy.lines] == legend_colors
+    assert "kv-pressure, 2 replicas" in fig.get_suptitle() and "TTFT <= 0.5 s" in fig.get_suptitle()
