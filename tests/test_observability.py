@@ -1,3 +1,4 @@
+# Over 400 lines: the live-metrics and plot tests share one exporter and one store layout.
 """Live metrics without a cluster: the dashboard files are what the generator writes, every
 query names exported metrics, the replica exporter's per-request and goodput arithmetic on a
 fake clock, and `dashboard push` against a local HTTP server that holds every request to
