@@ -65,16 +65,23 @@ TARGET = 0.9  # Spearman of TTFT p90 across the cells (read to 9 digits: one swa
 BURST_GAP = 0.001
 
 
+def experiment_runs(store: MetricsStore, experiment: str, simulated: bool) -> list[dict]:
+    """The complete runs of `experiment` in `store`, the simulated ones or the real ones (one
+    store may hold both)."""
+    return [
+        run
+        for run in store.runs()
+        if (run["config"] or {}).get("experiment") == experiment and run["complete"] and run["simulated"] == simulated
+    ]
+
+
 def runs_by_cell(path: Path, experiment: str, simulated: bool) -> dict[tuple, dict[int, dict[str, float]]]:
-    """Per cell of `experiment` in the store, each seed's figures (its latest complete run), of
-    the simulated runs or of the real ones (one store may hold both)."""
+    """Per cell of `experiment` in the store, each seed's figures (its latest complete run)."""
     store = MetricsStore(path)
     runs: dict[tuple, dict[int, dict[str, float]]] = {}
     try:
-        for run in store.runs():
-            config = run["config"] or {}
-            if config.get("experiment") != experiment or not run["complete"] or run["simulated"] != simulated:
-                continue
+        for run in experiment_runs(store, experiment, simulated):
+            config = run["config"]
             a = analyze(store, run["run_id"], SLO(**(run["slo"] or {})))
             key = tuple(config["cell"].get(k, "") for k in KEY)  # a store from before pools, scaling or flow lacks them
             figures = {m: f(a) for m, f in METRICS.items()}
@@ -94,7 +101,8 @@ def medians(by_seed: dict[int, dict[str, float]], seeds: set[int]) -> dict[str, 
 
 def cells(path: Path, experiment: str, simulated: bool) -> dict[tuple, dict[str, float]]:
     """Per cell of `experiment` in the store, the median over its seeds of each figure."""
-    return {key: medians(s, set(s)) for key, s in runs_by_cell(path, experiment, simulated).items()}
+    by_cell = runs_by_cell(path, experiment, simulated)
+    return {key: medians(by_seed, set(by_seed)) for key, by_seed in by_cell.items()}
 
 
 def scaled(sim: dict[str, float], real: dict[str, float]) -> dict[str, tuple[float, bool]] | None:
@@ -130,8 +138,9 @@ def label(key: tuple, shown: list[str]) -> str:
     return " ".join(f"{k}={v}" for k, v in zip(KEY, key) if k in shown)
 
 
-def overheads(paths: list[Path], experiment: str, file: Path) -> dict[str, float | None]:
-    """What the cluster's runs of `experiment` (in the stores at `paths`, pooled) spent outside their
+def overheads(paths: list[Path], experiment: str, file: Path, simulated: bool = False) -> dict[str, float | None]:
+    """What the cluster's runs of `experiment` (in the stores at `paths`, pooled; the simulated
+    runs instead with `simulated`, to read back what the simulator paid) spent outside their
     steps, as the simulator's `[cluster]` keys take it: `step_overhead` (the serving loop's
     seconds per step beyond the price `file`'s cost model puts on it; over slotserve's replicas,
     and apart over Ray Serve's) and `dispatch_delay` (slotserve's: the median, over requests
@@ -160,9 +169,7 @@ def overheads(paths: list[Path], experiment: str, file: Path) -> dict[str, float
     for path in paths:
         store = MetricsStore(path)
         try:
-            for run in store.runs():
-                if (run["config"] or {}).get("experiment") != experiment or not run["complete"] or run["simulated"]:
-                    continue
+            for run in experiment_runs(store, experiment, simulated):
                 rows = store.steps(run["run_id"])
                 steps["serve" if run["routing_policy"] in SERVE_ROUTERS else "slotserve"] += rows
                 if run["routing_policy"] not in SERVE_ROUTERS:

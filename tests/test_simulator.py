@@ -282,12 +282,13 @@ def test_the_fidelity_check_reads_back_the_loop_and_request_path_the_simulator_p
         '[sweep]\nbatching = ["chunked"]\nrouting = ["least_loaded"]\nload = [0.3]\nseeds = [0]\n'
     )
     run_experiment(plan_experiment(path, simulate=True), simulate=True, store_path=tmp_path / "s.db", progress=False)
-    found = overheads([tmp_path / "s.db"], "paths", path)
+    found = overheads([tmp_path / "s.db"], "paths", path, simulated=True)
+    assert overheads([tmp_path / "s.db"], "paths", path)["dispatch_delay"] is None  # no real run to read
     assert found["step_overhead (slotserve)"] == pytest.approx(0.003, abs=1e-9)
     assert found["dispatch_delay"] == pytest.approx(0.02, abs=1e-9)
     with pytest.raises(SystemExit, match="cost_scales"):
         path.write_text(path.read_text().replace("replicas = 2", "replicas = 2\ncost_scales = [1.0, 2.0]"))
-        overheads([tmp_path / "s.db"], "paths", path)
+        overheads([tmp_path / "s.db"], "paths", path, simulated=True)
 
 
 def test_recorded_simulation_reads_like_a_cluster_run(tmp_path):
