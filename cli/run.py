@@ -53,28 +53,22 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.report:
         report.print_reports(store_path, list(map(str, run_ids)), slo)
-    print_verdict(store_path, run_ids, slo)
+    from metrics.goodput_report import analyze_by_policy
     from metrics.plots import plot_cluster_runs
     from metrics.store import MetricsStore
 
-    plot = plot_cluster_runs(
-        MetricsStore(store_path), run_ids, slo, store_path.parent / f"runs-{run_ids[0]}-{run_ids[-1]}.png"
-    )
+    store = MetricsStore(store_path)
+    by_policy = analyze_by_policy(store, run_ids, slo)
+    print_verdict(by_policy, slo)
+    plot = plot_cluster_runs(store, by_policy, slo, store_path.parent / f"runs-{run_ids[0]}-{run_ids[-1]}.png")
     print(f"\nrecorded runs {runs} in {store_path}; plot: {plot}")
     return 0
 
 
-def print_verdict(store_path: Path, run_ids: list[int], slo: SLO) -> None:
+def print_verdict(by_policy: dict[str, list[dict]], slo: SLO) -> None:
     """Each policy's median and spread over its rounds, then the verdict line."""
-    from metrics.goodput_report import analyze
-    from metrics.store import MetricsStore
     from metrics.verdict import verdict_line, verdict_table
 
-    store = MetricsStore(store_path)
-    by_policy: dict[str, list[dict]] = {}
-    for run_id in run_ids:
-        analysis = analyze(store, run_id, slo)
-        by_policy.setdefault(analysis["routing_policy"], []).append(analysis)
     print(f"\nSLO: TTFT <= {slo.ttft} s, TPOT <= {slo.tpot} s; median (spread = max - min) over rounds")
     print(verdict_table(by_policy))
     print(verdict_line(by_policy))

@@ -51,6 +51,16 @@ from metrics.definitions import SLO, RequestTrace, percentiles, slot_efficiency,
 from metrics.store import MetricsStore, StoreError
 
 
+def analyze_by_policy(store: MetricsStore, run_ids: list[int], slo: SLO) -> dict[str, list[dict]]:
+    """Each run's `analyze`, grouped by its routing policy (a policy's rounds in run order): what
+    `slotserve run`'s verdict and its picture both read."""
+    by_policy: dict[str, list[dict]] = {}
+    for run_id in run_ids:
+        analysis = analyze(store, run_id, slo)
+        by_policy.setdefault(analysis["routing_policy"], []).append(analysis)
+    return by_policy
+
+
 def analyze(store: MetricsStore, run_id: int, slo: SLO = SLO()) -> dict:
     """Throughput, goodput, SLO attainment, latency percentiles, occupancy, slot efficiency
     and failures of one run, for the cluster and per replica, plus the imbalance across replicas."""

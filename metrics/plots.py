@@ -88,24 +88,20 @@ def latency_cdfs(ax_ttft, ax_itl, named: dict[str, list[Sequence[RequestTrace]]]
 # --- `slotserve run`: the policies compared ---------------------------------------------------
 
 
-def plot_cluster_runs(store, run_ids: list[int], slo: SLO, path: Path) -> Path:
+def plot_cluster_runs(store, by_policy: dict[str, list[dict]], slo: SLO, path: Path) -> Path:
     """`cluster_runs_figure` as a PNG at `path`."""
-    return _save(cluster_runs_figure(store, run_ids, slo), path)
+    return _save(cluster_runs_figure(store, by_policy, slo), path)
 
 
-def cluster_runs_figure(store, run_ids: list[int], slo: SLO):
+def cluster_runs_figure(store, by_policy: dict[str, list[dict]], slo: SLO):
     """The routing comparison of `slotserve run` in one picture, a colour per policy: goodput
     per policy (the bar its median over rounds, the error bar min to max, a dot per seed; the
     title the winner's lead as `metrics.verdict` reads it), the TTFT and ITL distributions (a
     thin line per seed) and occupancy over the run (the median over the policy's replicas and
-    seeds, with their 10-90% band). Goodput is `metrics.goodput_report.analyze`'s at `slo`."""
-    from metrics.goodput_report import analyze
+    seeds, with their 10-90% band). `by_policy`: `metrics.goodput_report.analyze_by_policy` of
+    the runs at `slo`."""
     from metrics.verdict import GOODPUT, lead, rounds
 
-    by_policy: dict[str, list[dict]] = {}
-    for run_id in run_ids:
-        analysis = analyze(store, run_id, slo)
-        by_policy.setdefault(analysis["routing_policy"], []).append(analysis)
     named_colors = colors(by_policy)
     fig, grid = _figure(2, 2, 13, 8.5)
     (ax_goodput, ax_occupancy), (ax_ttft, ax_itl) = grid
@@ -129,8 +125,9 @@ def cluster_runs_figure(store, run_ids: list[int], slo: SLO):
     ax_occupancy.set_ylabel("live slots / slots")
     ax_occupancy.set_ylim(0, 1.02)
     figure_legend(fig, line_handles(named_colors))
+    first_run = store.run(min(r for ids in runs_of.values() for r in ids))
     fig.suptitle(
-        f"{_workload(store.run(run_ids[0]))}: goodput counts the output tokens of requests with "
+        f"{_workload(first_run)}: goodput counts the output tokens of requests with "
         f"TTFT <= {slo.ttft:g} s and TPOT <= {slo.tpot:g} s",
         fontsize=10,
     )

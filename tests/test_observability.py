@@ -394,7 +394,7 @@ def test_cluster_runs_figure_shows_one_colour_per_policy_and_the_winners_lead(tm
     import statistics
 
     from metrics.definitions import RequestTrace
-    from metrics.goodput_report import analyze
+    from metrics.goodput_report import analyze, analyze_by_policy
     from metrics.plots import cluster_runs_figure
     from metrics.recording import record_run
     from metrics.store import open_store
@@ -429,7 +429,7 @@ def test_cluster_runs_figure_shows_one_colour_per_policy_and_the_winners_lead(tm
                 )
             )
     slo = SLO(0.5, 0.05)
-    fig = cluster_runs_figure(store, run_ids, slo)
+    fig = cluster_runs_figure(store, analyze_by_policy(store, run_ids, slo), slo)
     assert _legend_clear_of_every_axes(fig) == list(met)
     ax_goodput, ax_occupancy, ax_ttft, ax_itl = fig.axes
     assert len(ax_goodput.patches) == 3 and [t.get_text() for t in ax_goodput.get_xticklabels()] == list(met)
