@@ -384,3 +384,18 @@ def test_an_import_of_a_missing_name_is_caught(tmp_path):
     path = tmp_path / "uses.py"
     path.write_text("from protocol.clock import FakeClock, NoSuchClock\nfrom protocol import clock\n")
     assert missing_names([path], tmp_path) == ["uses.py:1: protocol.clock.NoSuchClock"]
+
+
+def test_the_actors_of_a_fake_cluster_start_without_torch():
+    """Every actor of a fake-replica cluster (router, replica, store, ingress) and the driver's
+    deploy and client modules import without torch or transformers: each actor is a fresh Ray
+    worker process, and those imports cost seconds of CPU in every one of them. Only a real
+    model's runner and loader import them, when they run."""
+    import subprocess
+    import sys
+
+    modules = "router.actor, replica.serving.actor, cluster.store_actor, cluster.http.ingress_actor, cluster.deploy"
+    heavy = "sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))"
+    code = f"import sys, {modules}; print({heavy})"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"imported at start: {out.stdout.strip()[:300]}"

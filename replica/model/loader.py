@@ -11,8 +11,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-
 from replica.errors import ConfigError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -49,6 +47,7 @@ def default_model_dir() -> Path:
     target = cache_dir() / _DEFAULT_DIR
     if (target / "model.safetensors").exists():
         return target
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _smollm2_gguf()
@@ -94,6 +93,7 @@ def resolve_model_dir(model: str) -> Path | None:
 def load_hf_model(model: str, seed: int = 0):
     """Load (hf_model, tokenizer) on the CPU in fp32. The tokenizer of the random GPT-2 is
     the default model's (its ids fit GPT-2's larger vocabulary)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
