@@ -387,10 +387,8 @@ def test_an_import_of_a_missing_name_is_caught(tmp_path):
 
 
 def test_the_actors_of_a_fake_cluster_start_without_torch():
-    """Every actor of a fake-replica cluster (router, replica, store, ingress) and the driver's
-    deploy and client modules import without torch or transformers: each actor is a fresh Ray
-    worker process, and those imports cost seconds of CPU in every one of them. Only a real
-    model's runner and loader import them, when they run."""
+    """The actors of a fake-replica cluster and the deploy module import neither torch nor
+    transformers: each actor is a fresh Ray worker, where those imports cost seconds of CPU."""
     import subprocess
     import sys
 
