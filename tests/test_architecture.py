@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -389,9 +391,6 @@ def test_an_import_of_a_missing_name_is_caught(tmp_path):
 def test_the_actors_of_a_fake_cluster_start_without_torch():
     """The actors of a fake-replica cluster and the deploy module import neither torch nor
     transformers: each actor is a fresh Ray worker, where those imports cost seconds of CPU."""
-    import subprocess
-    import sys
-
     modules = "router.actor, replica.serving.actor, cluster.store_actor, cluster.http.ingress_actor, cluster.deploy"
     heavy = "sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))"
     code = f"import sys, {modules}; print({heavy})"
