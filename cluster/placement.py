@@ -167,6 +167,7 @@ class Placer:
             except OverloadedError as err:
                 await self._wait_for_room(flight, err, patience)
                 continue
+            delivered = len(flight.token_ids)
             try:
                 await self._submit(flight, replica_id)
             except DrainingError:
@@ -176,6 +177,9 @@ class Placer:
             except Exception as err:  # noqa: BLE001 - anything else is Ray's: the replica is gone (told in _submit)
                 if not actor_gone(err):
                     raise
+                if len(flight.token_ids) > delivered:  # it ran there before the answer was lost: a move
+                    self._loop.spawn(self._move(flight, replica_id, f"replica {replica_id} lost: {type(err).__name__}"))
+                    return
             else:
                 again = flight.settle(replica_id)
                 if again is None:
