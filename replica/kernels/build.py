@@ -24,14 +24,15 @@ log = logging.getLogger(__name__)
 
 def build(name: str, source: str, functions: list[str]) -> ModuleType | None:
     """The built module, or None where it cannot be built here (the reason is logged). The name
-    carries a hash of the CPU's flags: `-march=native` code is one build per CPU kind, should the
-    cache directory be shared."""
+    carries a hash of the CPU's flags (`-march=native` code is one build per CPU kind, should the
+    cache directory be shared) and of the torch install: each build writes its torch's include
+    paths into its build file, so two environments sharing one name would rebuild each other's."""
     try:
         from torch.utils.cpp_extension import load_inline
 
-        flags = hashlib.sha1(" ".join(sorted(cpu_info().flags)).encode()).hexdigest()[:8]
+        key = " ".join([*sorted(cpu_info().flags), torch.__file__])
         return load_inline(
-            name=f"slotserve_{name}_{flags}",
+            name=f"slotserve_{name}_{hashlib.sha1(key.encode()).hexdigest()[:8]}",
             cpp_sources=source,
             functions=functions,
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
